@@ -1,0 +1,884 @@
+#!/usr/bin/env python3
+"""Gateway overhead benchmark: what the gateway adds on top of an upstream, against LiteLLM's proxy.
+
+One run, one upstream (nginx returning a fixed ``chat.completion`` body, so the upstream is never the
+bottleneck), one load generator (``wrk``, so no Python client competes for the cores). Targets:
+
+    direct       wrk -> nginx
+    capture_on   wrk -> gateway (open, no keys; every exchange recorded in SQLite) -> nginx
+    capture_off  wrk -> gateway (a ``--no-capture`` API key, on its own database) -> nginx
+    litellm      wrk -> LiteLLM proxy (one worker, no database) -> nginx
+
+each at concurrency 1 (``wrk -t1 -c1``) and N (``wrk -t2 -cN``, default 64), after a warm-up, POSTing
+``{"model": "bench-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}``.
+
+Reports requests/second, p50 and p99, the latency each proxy adds over direct, our throughput and p99
+as ratios to LiteLLM's, capture's throughput cost, and pass/fail marks against the targets. Writes the
+figures as JSON too. Needs ``wrk`` and ``nginx`` (Debian: ``apt-get install wrk nginx-light``); LiteLLM
+runs from its own virtualenv (created on first run, see ``--litellm-venv``). ``--profile DIR`` then
+profiles the gateway with py-spy under the capture-on high-concurrency load.
+
+Never run in CI: it takes a few minutes and its figures depend on the machine.
+
+    python bench/gateway_overhead.py                      # full run, 3 s warm-up + 10 s per measurement
+    python bench/gateway_overhead.py --duration 3 --warmup 1 --skip litellm
+    python bench/gateway_overhead.py --profile /tmp/gw-profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import re
+import resource
+import secrets
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parents[1]
+LITELLM_REQUIREMENT = "litellm[proxy]==1.108.0"
+DEFAULT_LITELLM_VENV = REPO / "bench" / ".venv-litellm"
+DEFAULT_JSON = REPO / "bench" / "results" / "gateway_overhead.json"
+MODEL = "bench-model"
+REQUEST_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}
+UPSTREAM_BODY = {
+    "id": "chatcmpl-bench", "object": "chat.completion", "created": 1700000000, "model": MODEL,
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello! How can I help you today?"},
+                 "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 9, "completion_tokens": 9, "total_tokens": 18},
+}
+TARGETS = ("direct", "capture_on", "capture_off", "litellm")
+LABELS = {"direct": "direct (nginx)", "capture_on": "gateway capture on",
+          "capture_off": "gateway capture off", "litellm": "LiteLLM proxy"}
+
+# Targets printed next to the measurements.
+MAX_ADDED_P50_MS_C1 = 1.0
+MIN_THROUGHPUT_X_LITELLM = 10.0
+MAX_CAPTURE_COST = 0.10
+
+# Wide enough for the tables when the output goes to a file or a pipe.
+console = Console(width=None if sys.stdout.isatty() else 170)
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+# -- processes -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Service:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+
+class Services:
+    """Every process this script starts, each in its own process group, stopped on any exit."""
+
+    def __init__(self) -> None:
+        self.running: list[Service] = []
+
+    def start(self, name: str, argv: list[str], log_path: Path, *, env: dict[str, str] | None = None,
+              cwd: Path | None = None) -> Service:
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, cwd=cwd, start_new_session=True)
+        svc = Service(name, proc, log_path)
+        self.running.append(svc)
+        return svc
+
+    def stop(self, svc: Service, timeout: float = 20.0) -> None:
+        if svc in self.running:
+            self.running.remove(svc)
+        if svc.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(svc.proc.pid, signal.SIGTERM)
+            try:
+                svc.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                console.print(f"[yellow]{svc.name} ignored SIGTERM for {timeout:.0f} s; killing it[/]")
+        # The leader may be gone while its children (workers) live on: sweep the whole group.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(svc.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            svc.proc.wait(5)
+
+    def stop_all(self) -> None:
+        for svc in reversed(list(self.running)):
+            self.stop(svc)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method: str, url: str, body: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
+         timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json",
+                                                                          **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def wait_ready(svc: Service, url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if svc.proc.poll() is not None:
+            raise BenchError(f"{svc.name} exited with {svc.proc.returncode} while starting:\n"
+                             f"{svc.log_tail()}")
+        with contextlib.suppress(OSError):
+            if http("GET", url, timeout=2)[0] == 200:
+                return
+        time.sleep(0.2)
+    raise BenchError(f"{svc.name} was not ready at {url} after {timeout:.0f} s:\n{svc.log_tail()}")
+
+
+def check_chat(name: str, url: str, headers: dict[str, str]) -> dict[str, str]:
+    """One request before the load: the target must answer 200 with a chat completion."""
+    status, resp_headers, body = http("POST", url, REQUEST_BODY, headers)
+    try:
+        ok = status == 200 and isinstance(json.loads(body).get("choices"), list)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise BenchError(f"{name}: POST {url} answered {status}: {body[:500]!r}")
+    return resp_headers
+
+
+# -- the pieces ------------------------------------------------------------------------------------
+
+
+def nginx_conf(tmp: Path, port: int) -> Path:
+    body = json.dumps(UPSTREAM_BODY, separators=(",", ":"))
+    assert "'" not in body
+    for d in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        (tmp / "nginx" / d).mkdir(parents=True, exist_ok=True)
+    conf = tmp / "nginx" / "nginx.conf"
+    conf.write_text(f"""daemon off;
+worker_processes 1;
+pid {tmp}/nginx/nginx.pid;
+error_log {tmp}/nginx/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {tmp}/nginx/client_body;
+    proxy_temp_path {tmp}/nginx/proxy;
+    fastcgi_temp_path {tmp}/nginx/fastcgi;
+    uwsgi_temp_path {tmp}/nginx/uwsgi;
+    scgi_temp_path {tmp}/nginx/scgi;
+    keepalive_requests 10000000;
+    keepalive_timeout 300s;
+    server {{
+        listen 127.0.0.1:{port};
+        location /v1/chat/completions {{
+            default_type application/json;
+            return 200 '{body}';
+        }}
+    }}
+}}
+""")
+    return conf
+
+
+def gateway_toml(tmp: Path, name: str, port: int, upstream_port: int) -> Path:
+    d = tmp / name
+    d.mkdir()
+    path = d / "harness.toml"
+    path.write_text(f"""[server]
+host = "127.0.0.1"
+port = {port}
+log_level = "warning"
+
+[store]
+path = "{d / 'harness.db'}"
+
+[[backends]]
+name = "upstream"
+kind = "openai"
+base_url = "http://127.0.0.1:{upstream_port}/v1"
+models = ["{MODEL}"]
+""")
+    return path
+
+
+def gateway_env() -> dict[str, str]:
+    # HARNESS_* variables would override the config written here; the benchmark runs without them.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HARNESS_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def create_no_capture_key(config: Path) -> str:
+    out = subprocess.run([sys.executable, "-m", "gateway.cli", "keys", "create", "--tenant", "bench",
+                          "--no-capture", "--config", str(config)], cwd=REPO, env=gateway_env(),
+                         capture_output=True, text=True, timeout=120, check=False)
+    m = re.search(r"^key:\s*(\S+)", out.stdout, re.MULTILINE)
+    if out.returncode != 0 or not m:
+        raise BenchError(f"harness keys create failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
+    return m.group(1)
+
+
+def count_calls(db: Path) -> int:
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        return conn.execute("SELECT COUNT(*) FROM model_calls").fetchone()[0]
+
+
+def litellm_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def ensure_litellm(venv: Path, install: bool) -> None:
+    if (venv / "bin" / "litellm").exists():
+        return
+    cmd = f"{sys.executable} -m venv {venv} && {venv}/bin/pip install '{LITELLM_REQUIREMENT}'"
+    if not install:
+        raise BenchError(f"LiteLLM is not installed in {venv}. Install it with:\n  {cmd}\n"
+                         "or run without --no-install-litellm, or pass --skip litellm.")
+    console.print(f"[bold]Installing LiteLLM into {venv}[/] (first run only):\n  {cmd}")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", LITELLM_REQUIREMENT], check=True)
+
+
+def litellm_config(tmp: Path, upstream_port: int) -> Path:
+    d = tmp / "litellm"
+    d.mkdir()
+    path = d / "config.yaml"
+    path.write_text(f"""model_list:
+  - model_name: {MODEL}
+    litellm_params:
+      model: openai/{MODEL}
+      api_base: http://127.0.0.1:{upstream_port}/v1
+      api_key: sk-dummy-upstream-key
+litellm_settings:
+  set_verbose: false
+  json_logs: false
+  turn_off_message_logging: true
+  drop_params: true
+  callbacks: []
+  success_callback: []
+  failure_callback: []
+general_settings:
+  master_key: os.environ/LITELLM_MASTER_KEY
+  disable_spend_logs: true
+""")
+    return path
+
+
+def litellm_env(master_key: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LITELLM_", "DATABASE_URL", "REDIS_"))}
+    env.update({
+        "LITELLM_MASTER_KEY": master_key,
+        "LITELLM_TELEMETRY_DISABLED": "true",   # its usage telemetry
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no fetch of the price list at start
+        "LITELLM_LOG": "ERROR",
+        "LITELLM_MODE": "PRODUCTION",            # no .env loading
+        "DISABLE_ADMIN_UI": "True",
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+def tool_version(argv: list[str]) -> str:
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    text = (out.stdout + out.stderr).strip()
+    return text.splitlines()[0] if text else "unknown"
+
+
+# -- load ------------------------------------------------------------------------------------------
+
+WRK_DONE = r"""
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    "\nBENCH_JSON {\"requests\":%d,\"duration_us\":%d,\"bytes\":%d," ..
+    "\"p50_us\":%d,\"p90_us\":%d,\"p99_us\":%d," ..
+    "\"max_us\":%d,\"mean_us\":%.2f,\"err_connect\":%d,\"err_read\":%d,\"err_write\":%d,\"err_status\":%d," ..
+    "\"err_timeout\":%d}\n",
+    summary.requests, summary.duration, summary.bytes, latency:percentile(50), latency:percentile(90),
+    latency:percentile(99), latency.max, latency.mean, e.connect, e.read, e.write, e.status, e.timeout))
+end
+"""
+
+
+def wrk_script(tmp: Path, name: str, headers: dict[str, str]) -> Path:
+    lines = ['wrk.method = "POST"', f"wrk.body = {json.dumps(json.dumps(REQUEST_BODY))}",
+             'wrk.headers["Content-Type"] = "application/json"']
+    lines += [f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}" for k, v in headers.items()]
+    path = tmp / f"{name}.lua"
+    path.write_text("\n".join(lines) + "\n" + WRK_DONE)
+    return path
+
+
+@dataclass
+class Load:
+    concurrency: int
+    threads: int
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds of the live processes in a process group (a server and its workers)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])
+    return total / _CLK_TCK
+
+
+def run_wrk(url: str, script: Path, load: Load, seconds: float, timeout_s: float,
+            server: Service | None = None) -> dict[str, Any]:
+    argv = ["wrk", f"-t{load.threads}", f"-c{load.concurrency}", f"-d{max(1, round(seconds))}s",
+            f"--timeout={timeout_s:g}s", "--latency", "-s", str(script), url]
+    cpu0 = group_cpu_seconds(server.proc.pid) if server else 0.0
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + timeout_s + 60,
+                         check=False)
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    server_cpu = group_cpu_seconds(server.proc.pid) - cpu0 if server else None
+    m = re.search(r"^BENCH_JSON (\{.*\})$", out.stdout, re.MULTILINE)
+    if out.returncode != 0 or not m:
+        raise BenchError(f"wrk failed ({out.returncode}): {' '.join(argv)}\n{out.stdout}\n{out.stderr}")
+    raw = json.loads(m.group(1))
+    errors = sum(raw[k] for k in ("err_connect", "err_read", "err_write", "err_status", "err_timeout"))
+    secs = raw["duration_us"] / 1e6
+    wrk_cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    cpu: dict[str, Any] = {"wrk_cpu_pct": round(100 * wrk_cpu / secs, 1) if secs else None}
+    if server_cpu is not None:
+        cpu.update({"server_cpu_pct": round(100 * server_cpu / secs, 1) if secs else None,
+                    "server_cpu_ms_per_request": round(1000 * server_cpu / raw["requests"], 4)
+                    if raw["requests"] else None})
+    return {
+        "concurrency": load.concurrency, "threads": load.threads, "duration_s": round(secs, 3),
+        "requests": raw["requests"], "errors": errors,
+        "error_detail": {k[4:]: raw[k] for k in raw if k.startswith("err_") and raw[k]},
+        # Only successful responses count as throughput.
+        "rps": round((raw["requests"] - raw["err_status"]) / secs, 1) if secs else 0.0,
+        "p50_ms": raw["p50_us"] / 1000, "p90_ms": raw["p90_us"] / 1000, "p99_ms": raw["p99_us"] / 1000,
+        "max_ms": raw["max_us"] / 1000, "mean_ms": round(raw["mean_us"] / 1000, 3), **cpu,
+        "wrk_output": out.stdout.split("\nBENCH_JSON")[0].strip(),
+    }
+
+
+def measure(name: str, url: str, script: Path, loads: list[Load], args: argparse.Namespace,
+            server: Service) -> dict[str, Any]:
+    results = {}
+    for load in loads:
+        if args.warmup > 0:
+            run_wrk(url, script, load, args.warmup, args.wrk_timeout)
+        r = run_wrk(url, script, load, args.duration, args.wrk_timeout, server)
+        results[f"c{load.concurrency}"] = r
+        err = f", [red]{r['errors']} errors {r['error_detail']}[/]" if r["errors"] else ""
+        console.print(f"  {LABELS[name]:<22} c={load.concurrency:<3} {r['rps']:>9.1f} req/s  "
+                      f"p50 {r['p50_ms']:7.3f} ms  p99 {r['p99_ms']:8.3f} ms  "
+                      f"server CPU {r['server_cpu_pct']:5.1f}% "
+                      f"({r['server_cpu_ms_per_request']:.3f} ms/req), "
+                      f"wrk CPU {r['wrk_cpu_pct']:5.1f}%{err}")
+    return results
+
+
+@contextlib.contextmanager
+def serving(services: Services, svc: Service) -> Iterator[Service]:
+    try:
+        yield svc
+    finally:
+        services.stop(svc)
+
+
+def start_gateway(services: Services, tmp: Path, name: str, config: Path, port: int) -> Service:
+    svc = services.start(name, [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)],
+                         tmp / name / "gateway.log", env=gateway_env(), cwd=REPO)
+    wait_ready(svc, f"http://127.0.0.1:{port}/healthz", 90)
+    return svc
+
+
+# -- profiling -------------------------------------------------------------------------------------
+
+# Frames every main-thread stack starts with; they say nothing about where the time goes.
+_ENTRY_FRAME = re.compile(r"^((_run_module_as_main|_run_code|<module>|Typer\.\w+|TyperGroup\.\w+|"
+                          r"Command\.\w+|Context\.invoke|_main|get_callback\.<locals>\.wrapper|serve|run|Server\.run|"
+                          r"asyncio_run|Runner\.run|Thread\.\w+) \(|thread \(|process )")
+
+
+def _frame_key(frame: str, keep_line: bool = False) -> str:
+    """py-spy frames look like "function (path/to/file.py:123)": shorten the path, keep or drop the line."""
+    m = re.match(r"^(.*) \((.*?)(:\d+)?\)$", frame)
+    if not m:
+        return frame
+    func, path, line = m.groups()
+    for marker in ("site-packages/", "dist-packages/", f"{REPO}/", "lib/python3."):
+        if marker in path:
+            path = path.split(marker, 1)[1]
+            if marker == "lib/python3.":
+                path = path.split("/", 1)[-1]
+            break
+    return f"{func} ({path}{(line or '') if keep_line else ''})"
+
+
+def summarize_collapsed(path: Path, top: int, *, rate_hz: int, seconds: float) -> dict[str, Any]:
+    """Self and total time per function (and per line of this repo's code) from py-spy's raw output."""
+    self_fn: Counter[str] = Counter()
+    total_fn: Counter[str] = Counter()
+    self_line: Counter[str] = Counter()
+    repo_line: Counter[str] = Counter()
+    samples = 0
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        count = int(n)
+        raw = [f for f in stack.split(";") if f]
+        if not raw:
+            continue
+        samples += count
+        frames = [_frame_key(f) for f in raw]
+        self_fn[frames[-1]] += count
+        self_line[_frame_key(raw[-1], keep_line=True)] += count
+        for f in set(frames):
+            total_fn[f] += count
+        for f in {_frame_key(f, keep_line=True) for f in raw}:
+            if re.search(r" \((gateway|replay)/", f) and not _ENTRY_FRAME.match(f):
+                repo_line[f] += count
+
+    def rows(counter: Counter[str], n: int, skip_entry: bool = False,
+             lines: bool = False) -> list[dict[str, Any]]:
+        out = []
+        for f, c in counter.most_common():
+            if skip_entry and _ENTRY_FRAME.match(f):
+                continue
+            if lines:
+                out.append({"line": f, "samples": c, "pct": round(100 * c / samples, 2)})
+            else:
+                out.append({"function": f, "self_pct": round(100 * self_fn[f] / samples, 2),
+                            "total_pct": round(100 * total_fn[f] / samples, 2)})
+            if len(out) == n:
+                break
+        return out
+
+    if not samples:
+        return {"samples": 0, "by_self": [], "by_total": [], "self_lines": [], "repo_lines": []}
+    return {
+        "samples": samples,
+        # With --gil a sample exists only when some thread held the GIL: this is how busy the GIL was.
+        "busy_pct": round(100 * samples / (rate_hz * seconds), 1),
+        "by_self": rows(self_fn, top),
+        "by_total": rows(total_fn, top, skip_entry=True),
+        "self_lines": rows(self_line, top, lines=True),
+        "repo_lines": rows(repo_line, top, lines=True),
+    }
+
+
+def profile_gateway(services: Services, tmp: Path, upstream_port: int, args: argparse.Namespace,
+                    load: Load) -> dict[str, Any]:
+    """py-spy on a fresh capture-on gateway under the high-concurrency load.
+
+    Three recordings of the same length: GIL-holding samples as collapsed stacks (the Python CPU work:
+    the hotspot tables) and as a flame graph, and wall-clock samples of every thread (where the
+    threads spend their time, waiting included).
+    """
+    pyspy = shutil.which("py-spy")
+    if not pyspy:
+        raise BenchError("--profile needs py-spy: pip install py-spy")
+    out_dir = Path(args.profile).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    config = gateway_toml(tmp, "profile", port, upstream_port)
+    seconds = max(1, round(args.profile_duration))
+    recordings = (("gil", ["--gil", "--format", "raw"], "gil.txt"),
+                  ("gil_flamegraph", ["--gil", "--format", "flamegraph"], "gil.svg"),
+                  ("wall", ["--threads", "--format", "raw"], "wall.txt"))
+    rps: dict[str, float] = {}
+    with serving(services, start_gateway(services, tmp, "profile", config, port)) as gw:
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        check_chat("profile", url, {})
+        script = wrk_script(tmp, "profile", {})
+        run_wrk(url, script, load, max(args.warmup, 1), args.wrk_timeout)
+        console.print(f"[bold]Profiling[/] the capture-on gateway (pid {gw.proc.pid}) with py-spy, "
+                      f"{len(recordings)} x {seconds} s under wrk -t{load.threads} -c{load.concurrency}")
+        for name, opts, filename in recordings:
+            mode = [] if args.profile_blocking else ["--nonblocking"]
+            spy = subprocess.Popen([pyspy, "record", "--pid", str(gw.proc.pid), "-d", str(seconds), "-r",
+                                    str(args.profile_rate), *mode, *opts, "-o", str(out_dir / filename)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                time.sleep(0.5)  # let py-spy attach before the load starts
+                rps[name] = run_wrk(url, script, load, seconds, args.wrk_timeout)["rps"]
+                spy_out = spy.communicate(timeout=seconds + 60)[0].decode(errors="replace")
+            finally:
+                if spy.poll() is None:
+                    os.killpg(spy.pid, signal.SIGKILL)
+                    spy.wait()
+            if spy.returncode != 0:
+                raise BenchError(f"py-spy failed ({spy.returncode}):\n{spy_out}")
+    kw = {"rate_hz": args.profile_rate, "seconds": seconds}
+    summary = {"gil": summarize_collapsed(out_dir / "gil.txt", args.profile_top, **kw),
+               "wall": summarize_collapsed(out_dir / "wall.txt", args.profile_top, **kw),
+               "files": {name: str(out_dir / filename) for name, _, filename in recordings},
+               "rate_hz": args.profile_rate, "seconds": seconds, "concurrency": load.concurrency,
+               "nonblocking": not args.profile_blocking,
+               "rps_while_profiled": rps}
+    summary["wall"].pop("busy_pct", None)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def print_profile(summary: dict[str, Any]) -> None:
+    gil = summary["gil"]
+    head = (f"capture on, c={summary['concurrency']}, {summary['rate_hz']} Hz x {summary['seconds']} s")
+    console.print(f"[bold]Gateway profile[/] ({head}): the GIL was held in ~{gil.get('busy_pct', 0)}% "
+                  "of the sampling intervals; "
+                  "throughput while profiled: "
+                  + ", ".join(f"{k} {v:,.0f} req/s" for k, v in summary["rps_while_profiled"].items()))
+    tables = (("gil", "by_self", "Python CPU (GIL held): functions by self time", "self"),
+              ("gil", "by_total", "Python CPU (GIL held): functions by total time", "total"),
+              ("gil", "repo_lines", "Python CPU (GIL held): this repo's lines by total time", "pct"),
+              ("wall", "self_lines", "Wall clock, all threads (waiting included): leaf lines", "pct"))
+    for part, key, title, _ in tables:
+        data = summary[part]
+        table = Table(title=f"{title} ({data['samples']} samples)", title_justify="left")
+        table.add_column("#", justify="right")
+        table.add_column("function (file)" if "lines" not in key else "function (file:line)")
+        table.add_column("self %", justify="right")
+        table.add_column("total %", justify="right")
+        for i, r in enumerate(data[key], 1):
+            if "lines" in key:
+                table.add_row(str(i), r["line"], f"{r['pct']:.1f}" if key == "self_lines" else "",
+                              f"{r['pct']:.1f}" if key == "repo_lines" else "")
+            else:
+                table.add_row(str(i), r["function"], f"{r['self_pct']:.1f}", f"{r['total_pct']:.1f}")
+        console.print(table)
+    console.print("files: " + ", ".join(f"{k} {v}" for k, v in summary["files"].items()))
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+
+def derive(results: dict[str, dict[str, Any]], levels: list[str], high: str) -> dict[str, Any]:
+    d: dict[str, Any] = {"added_latency_ms": {}, "vs_litellm": {}, "capture_cost": {}}
+    direct = results.get("direct")
+    for name in ("capture_on", "capture_off", "litellm"):
+        if name not in results or direct is None:
+            continue
+        d["added_latency_ms"][name] = {
+            c: {"p50": round(results[name][c]["p50_ms"] - direct[c]["p50_ms"], 3),
+                "p99": round(results[name][c]["p99_ms"] - direct[c]["p99_ms"], 3)} for c in levels}
+    if "litellm" in results:
+        lite = results["litellm"]
+        for name in ("capture_on", "capture_off"):
+            if name in results:
+                d["vs_litellm"][name] = {
+                    c: {"throughput_x": _ratio(results[name][c]["rps"], lite[c]["rps"]),
+                        "p99_ratio": _ratio(results[name][c]["p99_ms"], lite[c]["p99_ms"])} for c in levels}
+    if "capture_on" in results and "capture_off" in results:
+        on, off = results["capture_on"], results["capture_off"]
+        d["capture_cost"] = {c: round(1 - on[c]["rps"] / off[c]["rps"], 4) if off[c]["rps"] else None
+                             for c in levels}
+
+    targets = []
+    for name in ("capture_on", "capture_off"):
+        added = d["added_latency_ms"].get(name, {}).get("c1")
+        if added is not None:
+            targets.append({"target": f"p50 added latency at c=1, {LABELS[name]}", "value": added["p50"],
+                            "unit": "ms", "goal": f"< {MAX_ADDED_P50_MS_C1:g} ms",
+                            "pass": added["p50"] < MAX_ADDED_P50_MS_C1})
+    x = d["vs_litellm"].get("capture_on", {}).get(high, {}).get("throughput_x")
+    if x is not None:
+        targets.append({"target": f"throughput vs LiteLLM at c={high[1:]}, capture on", "value": x,
+                        "unit": "x", "goal": f">= {MIN_THROUGHPUT_X_LITELLM:g}x",
+                        "pass": x >= MIN_THROUGHPUT_X_LITELLM})
+    for c in levels:
+        cost = d["capture_cost"].get(c)
+        if cost is not None:
+            targets.append({"target": f"capture's throughput cost at c={c[1:]}",
+                            "value": round(100 * cost, 2), "unit": "%",
+                            "goal": f"< {100 * MAX_CAPTURE_COST:g}%", "pass": cost < MAX_CAPTURE_COST})
+    d["targets"] = targets
+    return d
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 2) if b else None
+
+
+def _signed(v: float | None) -> str:
+    return "" if v is None else f"{v:+.3f}"
+
+
+def print_report(results: dict[str, dict[str, Any]], derived: dict[str, Any], levels: list[str]) -> None:
+    table = Table(title="Gateway overhead (wrk, non-streaming chat completion, fixed nginx upstream)",
+                  title_justify="left")
+    for col, kw in (("target", {}), ("conc", {"justify": "right"}), ("req/s", {"justify": "right"}),
+                    ("p50 ms", {"justify": "right"}), ("p99 ms", {"justify": "right"}),
+                    ("+p50 ms vs direct", {"justify": "right"}), ("+p99 ms vs direct", {"justify": "right"}),
+                    ("req/s ÷ LiteLLM", {"justify": "right"}), ("p99 ÷ LiteLLM", {"justify": "right"}),
+                    ("server CPU", {"justify": "right"}), ("CPU ms/req", {"justify": "right"}),
+                    ("errors", {"justify": "right"})):
+        table.add_column(col, **kw)
+    for name in TARGETS:
+        if name not in results:
+            continue
+        for c in levels:
+            r = results[name][c]
+            added = derived["added_latency_ms"].get(name, {}).get(c, {})
+            vs = derived["vs_litellm"].get(name, {}).get(c, {})
+            table.add_row(LABELS[name], c[1:], f"{r['rps']:,.0f}", f"{r['p50_ms']:.3f}", f"{r['p99_ms']:.3f}",
+                          _signed(added.get("p50")), _signed(added.get("p99")),
+                          f"{vs['throughput_x']:.2f}x" if vs.get("throughput_x") else "",
+                          f"{vs['p99_ratio']:.2f}" if vs.get("p99_ratio") else "",
+                          f"{r['server_cpu_pct']:.0f}%", f"{r['server_cpu_ms_per_request']:.3f}",
+                          str(r["errors"]) if r["errors"] else "0",
+                          end_section=c == levels[-1])
+    console.print(table)
+    if derived["capture_cost"]:
+        console.print("capture cost (1 - capture-on req/s ÷ capture-off req/s): " + ", ".join(
+            f"c={c[1:]}: {100 * v:.1f}%" for c, v in derived["capture_cost"].items() if v is not None))
+    if derived["targets"]:
+        t = Table(title="Targets", title_justify="left")
+        t.add_column("")
+        t.add_column("target")
+        t.add_column("measured", justify="right")
+        t.add_column("goal", justify="right")
+        for row in derived["targets"]:
+            mark = "[bold green]PASS[/]" if row["pass"] else "[bold red]FAIL[/]"
+            t.add_row(mark, row["target"], f"{row['value']:g} {row['unit']}", row["goal"])
+        console.print(t)
+
+
+# -- main ------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--duration", type=float, default=10.0,
+                   help="Seconds measured per target and concurrency.")
+    p.add_argument("--warmup", type=float, default=3.0,
+                   help="Seconds of load before each measurement (0: none).")
+    p.add_argument("--concurrency", type=int, default=64, help="The high concurrency (connections).")
+    p.add_argument("--threads", type=int, default=2, help="wrk threads at the high concurrency.")
+    p.add_argument("--wrk-timeout", type=float, default=10.0, help="wrk's per-request timeout, seconds.")
+    p.add_argument("--skip", action="append", default=[], choices=TARGETS,
+                   help="Leave a target out (repeatable).")
+    p.add_argument("--json", default=str(DEFAULT_JSON), help="Where to write the figures as JSON.")
+    p.add_argument("--litellm-venv", default=str(DEFAULT_LITELLM_VENV),
+                   help=f"Virtualenv holding {LITELLM_REQUIREMENT}; created on first use.")
+    p.add_argument("--no-install-litellm", action="store_true",
+                   help="Fail with the install command instead of creating the LiteLLM virtualenv.")
+    p.add_argument("--profile", metavar="DIR", help="Afterwards, profile the capture-on gateway with py-spy "
+                   "under the high-concurrency load; writes gil.txt and wall.txt (collapsed stacks), "
+                   "gil.svg (flame graph) and summary.json to DIR.")
+    p.add_argument("--profile-only", action="store_true", help="With --profile: skip the measurements.")
+    p.add_argument("--profile-duration", type=float, default=10.0, help="Seconds py-spy records.")
+    p.add_argument("--profile-rate", type=int, default=100, help="py-spy samples per second.")
+    p.add_argument("--profile-top", type=int, default=20, help="Functions listed in the profile tables.")
+    p.add_argument("--profile-blocking", action="store_true",
+                   help="Let py-spy pause the gateway for each sample (exact stacks, much slower gateway); "
+                        "the default samples without pausing it.")
+    p.add_argument("--keep-tmp", action="store_true", help="Keep the temp dir (configs, logs, databases).")
+    args = p.parse_args(argv)
+    if args.profile_only and not args.profile:
+        p.error("--profile-only needs --profile DIR")
+    if args.duration < 1:
+        p.error("--duration must be at least 1 s (wrk counts whole seconds)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    for tool in ("wrk", "nginx"):
+        if not shutil.which(tool):
+            console.print(f"[red]error:[/] {tool} not found; install it with: "
+                          "apt-get update && apt-get install wrk nginx-light")
+            return 2
+    targets = [] if args.profile_only else [t for t in TARGETS if t not in args.skip]
+    venv = Path(args.litellm_venv).resolve()
+    try:
+        if "litellm" in targets:
+            ensure_litellm(venv, install=not args.no_install_litellm)
+    except (BenchError, subprocess.CalledProcessError) as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 2
+
+    loads = [Load(1, 1), Load(args.concurrency, min(args.threads, args.concurrency))]
+    levels = [f"c{x.concurrency}" for x in loads]
+    high = levels[-1]
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    services = Services()
+    tmp = Path(tempfile.mkdtemp(prefix="gateway-overhead-"))
+    results: dict[str, dict[str, Any]] = {}
+    checks: dict[str, Any] = {}
+    profile = None
+    started = time.time()
+    try:
+        upstream_port = free_port()
+        conf = nginx_conf(tmp, upstream_port)
+        nginx = services.start("nginx", ["nginx", "-e", str(tmp / "nginx" / "error.log"), "-p",
+                                         str(tmp / "nginx"), "-c", str(conf)], tmp / "nginx.log")
+        direct_url = f"http://127.0.0.1:{upstream_port}/v1/chat/completions"
+        deadline = time.monotonic() + 15
+        while True:
+            if nginx.proc.poll() is not None:
+                raise BenchError(f"nginx exited:\n{nginx.log_tail()}\n" +
+                                 (tmp / "nginx" / "error.log").read_text(errors="replace"))
+            try:
+                check_chat("nginx", direct_url, {})
+                break
+            except (OSError, BenchError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        console.print(f"[bold]Gateway overhead[/]: {args.warmup:g} s warm-up + {args.duration:g} s "
+                      "per measurement, "
+                      f"concurrency {' and '.join(c[1:] for c in levels)}; temp dir {tmp}")
+
+        if "direct" in targets:
+            script = wrk_script(tmp, "direct", {})
+            results["direct"] = measure("direct", direct_url, script, loads, args, nginx)
+
+        if "capture_on" in targets:
+            port = free_port()
+            config = gateway_toml(tmp, "capture_on", port, upstream_port)
+            with serving(services, start_gateway(services, tmp, "capture_on", config, port)) as gw:
+                url = f"http://127.0.0.1:{port}/v1/chat/completions"
+                check_chat("capture_on", url, {})
+                script = wrk_script(tmp, "capture_on", {})
+                results["capture_on"] = measure("capture_on", url, script, loads, args, gw)
+            sent = sum(r["requests"] for r in results["capture_on"].values())
+            checks["capture_on_recorded_calls"] = count_calls(tmp / "capture_on" / "harness.db")
+            checks["capture_on_measured_requests"] = sent
+            if checks["capture_on_recorded_calls"] < sent:
+                raise BenchError(f"capture on recorded only {checks['capture_on_recorded_calls']} calls for "
+                                 f"{sent} measured requests: it was not capturing")
+
+        if "capture_off" in targets:
+            port = free_port()
+            config = gateway_toml(tmp, "capture_off", port, upstream_port)
+            key = create_no_capture_key(config)
+            with serving(services, start_gateway(services, tmp, "capture_off", config, port)) as gw:
+                url = f"http://127.0.0.1:{port}/v1/chat/completions"
+                auth = {"Authorization": f"Bearer {key}"}
+                check_chat("capture_off", url, auth)
+                # The gateway is closed (a key exists): a request without the key must be refused.
+                status = http("POST", url, REQUEST_BODY)[0]
+                if status != 401:
+                    raise BenchError(f"capture_off gateway answered {status} without a key; expected 401")
+                script = wrk_script(tmp, "capture_off", auth)
+                results["capture_off"] = measure("capture_off", url, script, loads, args, gw)
+            checks["capture_off_recorded_calls"] = count_calls(tmp / "capture_off" / "harness.db")
+            if checks["capture_off_recorded_calls"]:
+                raise BenchError(f"capture off recorded {checks['capture_off_recorded_calls']} calls")
+
+        if "litellm" in targets:
+            port = free_port()
+            master_key = "sk-" + secrets.token_hex(20)
+            config = litellm_config(tmp, upstream_port)
+            svc = services.start("litellm", [str(venv / "bin" / "litellm"), "--config", str(config), "--host",
+                                             "127.0.0.1", "--port", str(port), "--num_workers", "1"],
+                                 tmp / "litellm" / "litellm.log", env=litellm_env(master_key),
+                                 cwd=tmp / "litellm")
+            with serving(services, svc):
+                wait_ready(svc, f"http://127.0.0.1:{port}/health/liveliness", 180)
+                url = f"http://127.0.0.1:{port}/v1/chat/completions"
+                auth = {"Authorization": f"Bearer {master_key}"}
+                check_chat("litellm", url, auth)
+                script = wrk_script(tmp, "litellm", auth)
+                results["litellm"] = measure("litellm", url, script, loads, args, svc)
+
+        if args.profile:
+            profile = profile_gateway(services, tmp, upstream_port, args, loads[-1])
+    except KeyboardInterrupt:
+        console.print("[red]interrupted[/]")
+        return 130
+    except BenchError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 1
+    finally:
+        services.stop_all()
+        if args.keep_tmp:
+            console.print(f"temp dir kept: {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    if results:
+        derived = derive(results, levels, high)
+        print_report(results, derived, levels)
+        report = {
+            "benchmark": "gateway_overhead",
+            "started_at": dt.datetime.fromtimestamp(started, dt.UTC).isoformat(timespec="seconds"),
+            "settings": {"duration_s": args.duration, "warmup_s": args.warmup,
+                         "loads": [{"concurrency": x.concurrency, "wrk_threads": x.threads} for x in loads],
+                         "request": REQUEST_BODY, "stream": False},
+            "environment": {
+                "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                "loadavg_at_end": os.getloadavg(),
+                "wrk": tool_version(["wrk", "-v"]), "nginx": tool_version(["nginx", "-v"]),
+                "litellm": tool_version([str(litellm_python(venv)), "-c",
+                                         "import importlib.metadata as m; print(m.version('litellm'))"])
+                if "litellm" in results else None,
+            },
+            "results": {name: {c: {k: v for k, v in r.items() if k != "wrk_output"} for c, r in res.items()}
+                        for name, res in results.items()},
+            "derived": derived,
+            "checks": checks,
+            "wrk_output": {name: {c: r["wrk_output"] for c, r in res.items()}
+                           for name, res in results.items()},
+        }
+        if profile:
+            report["profile"] = profile
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"figures written to {out}")
+    if profile:
+        print_profile(profile)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

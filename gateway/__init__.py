@@ -1,0 +1,1 @@
+"""The OpenAI-compatible gateway and the agent runtime."""

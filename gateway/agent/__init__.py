@@ -1,0 +1,1 @@
+"""The agent runtime: tool-call parsing, validation, limits and the loop."""

@@ -1,0 +1,32 @@
+"""Request helpers shared by the API modules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+
+from gateway.errors import APIError
+
+
+async def read_json_body(request: Request, limit: int) -> Any:
+    """Read at most ``limit`` bytes and decode them as JSON, with a 4xx for anything else."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"Request body is larger than the limit of {limit} bytes.", code="request_too_large")
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"Request body is larger than the limit of {limit} bytes.",
+                           code="request_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw:
+        raise APIError(400, "Request body is empty; expected a JSON object.", code="invalid_json")
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise APIError(400, f"Request body is not valid JSON: {exc}.", code="invalid_json") from None

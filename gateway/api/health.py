@@ -1,0 +1,17 @@
+"""``/healthz`` and the Prometheus ``/metrics``."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+
+async def healthz(request: Request) -> Response:
+    gateway = request.app.state.gateway
+    return JSONResponse({"status": "ok", "models": sorted(gateway.model_map),
+                         "store_queue_depth": gateway.store.queue_depth})
+
+
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.gateway.metrics.render(), media_type=CONTENT_TYPE_LATEST)

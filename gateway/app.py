@@ -1,0 +1,186 @@
+"""Builds the ASGI application: routes, the runtime state they share, and start-up/shut-down."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any, AsyncIterator
+
+import structlog
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.api import chat, health, models, trajectories
+from gateway.auth import Authenticator
+from gateway.backends import build_backend
+from gateway.backends.base import Backend
+from gateway.config import Settings
+from gateway.errors import APIError, error_response
+from gateway.metrics import Metrics
+from replay.store import TrajectoryStore
+
+log = structlog.get_logger()
+
+RETENTION_SWEEP_SECONDS = 3600.0
+
+
+class Gateway:
+    """Everything the routes share: settings, store, backends, auth and metrics."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        s = settings.store
+        self.metrics = Metrics(queue_depth=lambda: self.store.queue_depth)
+        self.store = TrajectoryStore(s.path, synchronous=s.synchronous, max_batch=s.max_batch,
+                                     max_queue=s.max_queue, commit_delay_ms=s.commit_delay_ms,
+                                     on_commit=self.metrics.observe_commit)
+        self.auth = Authenticator(self.store, settings.server.admin_key)
+        self.backends: list[Backend] = [build_backend(b) for b in settings.backends]
+        self.model_map: dict[str, Backend] = {}
+        for backend in self.backends:
+            for model in backend.models:
+                self.model_map.setdefault(model, backend)
+        self.background: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Any) -> None:
+        """Run work that must finish even though its request is gone (a disconnected stream's record)."""
+        task = asyncio.create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    def backend_for(self, model: str) -> Backend:
+        backend = self.model_map.get(model)
+        if backend is None:
+            raise APIError(404, f"The model '{model}' does not exist or you do not have access to it.",
+                           param="model", code="model_not_found")
+        return backend
+
+    async def start(self) -> None:
+        await self.store.start()
+        for backend in self.backends:
+            await backend.start()
+        if self.settings.store.retention_days:
+            self.spawn(self._retention_loop(self.settings.store.retention_days))
+        log.info("gateway.started", models=sorted(self.model_map), store=self.settings.store.path)
+
+    async def stop(self) -> None:
+        for task in list(self.background):
+            if task.get_name().startswith("retention"):
+                task.cancel()
+        if self.background:
+            await asyncio.gather(*self.background, return_exceptions=True)
+        for backend in self.backends:
+            await backend.aclose()
+        await self.store.close()
+
+    async def _retention_loop(self, days: float) -> None:
+        asyncio.current_task().set_name("retention")  # type: ignore[union-attr]
+        while True:
+            removed = await self.store.delete(before=time.time() - days * 86400)
+            if removed:
+                log.info("store.retention", deleted=removed, older_than_days=days)
+            await asyncio.sleep(RETENTION_SWEEP_SECONDS)
+
+
+class AccessLog:
+    """Pure ASGI middleware: one structured line and the metrics for every request.
+
+    Handlers add fields (trajectory id, model, tokens) to ``scope["state"]["log"]``.
+    """
+
+    def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
+        self.app = app
+        self.gateway = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        fields: dict[str, Any] = {}
+        scope.setdefault("state", {})["log"] = fields
+        status = 500
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            elapsed = time.perf_counter() - started
+            route = scope.get("route_name") or _route_name(scope)
+            metrics = self.gateway.metrics
+            metrics.requests.labels(route, str(status)).inc()
+            metrics.latency.labels(route).observe(elapsed)
+            if route not in ("metrics", "healthz"):
+                log.info("request", method=scope["method"], path=scope["path"], status=status,
+                         latency_ms=round(elapsed * 1000, 2), **fields)
+
+
+def _route_name(scope: Scope) -> str:
+    route = scope.get("route")
+    return getattr(route, "name", None) or "unmatched"
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return error_response(APIError(404, f"Unknown route {request.method} {request.url.path}.",
+                                   code="not_found"))
+
+
+async def _method_not_allowed(request: Request, exc: Exception) -> Response:
+    return error_response(APIError(405, f"Method {request.method} is not allowed on {request.url.path}.",
+                                   code="method_not_allowed"))
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    request.scope["state"].get("log", {})["error"] = exc.code or exc.error_type
+    request.app.state.gateway.metrics.errors.labels(exc.error_type).inc()
+    return error_response(exc)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled", path=request.url.path)
+    request.app.state.gateway.metrics.errors.labels("server_error").inc()
+    return error_response(APIError(500, "The gateway failed to handle this request.", error_type="server_error"))
+
+
+def build_app(settings: Settings) -> Starlette:
+    gateway = Gateway(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.stop()
+
+    routes = [
+        Route("/v1/chat/completions", chat.chat_completions, methods=["POST"], name="chat"),
+        Route("/v1/models", models.list_models, methods=["GET"], name="models"),
+        Route("/v1/models/{model:path}", models.get_model, methods=["GET"], name="model"),
+        Route("/v1/trajectories", trajectories.list_own, methods=["GET"], name="trajectories"),
+        Route("/v1/trajectories/{trajectory_id}", trajectories.show_own, methods=["GET"], name="trajectory"),
+        Route("/admin/trajectories", trajectories.list_all, methods=["GET"], name="admin_trajectories"),
+        Route("/admin/trajectories/{trajectory_id}", trajectories.show_any, methods=["GET"],
+              name="admin_trajectory"),
+        Route("/healthz", health.healthz, methods=["GET"], name="healthz"),
+        Route("/metrics", health.metrics, methods=["GET"], name="metrics"),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={404: _not_found, 405: _method_not_allowed, APIError: _api_error,
+                            Exception: _internal_error},
+    )
+    app.state.gateway = gateway
+    app.add_middleware(AccessLog, gateway=gateway)
+    return app

@@ -1,0 +1,101 @@
+"""API keys (stored hashed, each with a tenant) and the admin key."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+from dataclasses import dataclass
+
+from starlette.datastructures import Headers
+
+from gateway.errors import APIError
+from replay.store import TrajectoryStore
+
+KEY_PREFIX = "sk-harness-"
+_CACHE_SECONDS = 5.0
+
+
+def new_secret() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling. ``tenant`` scopes what they may read; ``capture`` whether they are recorded."""
+
+    key_id: str | None
+    tenant: str | None
+    capture: bool = True
+    admin: bool = False
+
+
+OPEN = Principal(key_id=None, tenant=None)
+
+
+def _bearer(headers: Headers) -> str | None:
+    value = headers.get("authorization")
+    if value and value[:7].lower() == "bearer ":
+        return value[7:].strip() or None
+    return headers.get("x-api-key") or headers.get("api-key")
+
+
+class Authenticator:
+    """With no keys in the store the gateway is open (and binds only to loopback); otherwise a key is required.
+
+    Lookups are cached for a few seconds so a key made or revoked from the CLI takes effect quickly
+    without a database read on every request.
+    """
+
+    def __init__(self, store: TrajectoryStore, admin_key: str | None) -> None:
+        self.store = store
+        self.admin_key = admin_key
+        self._keys: dict[str, tuple[float, Principal | None]] = {}
+        self._count: tuple[float, int] = (0.0, 0)
+
+    async def key_count(self) -> int:
+        now = time.monotonic()
+        if now >= self._count[0]:
+            self._count = (now + _CACHE_SECONDS, await self.store.count_keys())
+        return self._count[1]
+
+    def is_admin(self, secret: str | None) -> bool:
+        return bool(self.admin_key and secret and hmac.compare_digest(secret, self.admin_key))
+
+    async def authenticate(self, headers: Headers) -> Principal:
+        secret = _bearer(headers)
+        if self.is_admin(secret):
+            return Principal(key_id="admin", tenant=None, admin=True)
+        if secret is None:
+            if await self.key_count() == 0:
+                return OPEN
+            raise APIError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer KEY'.",
+                           code="missing_api_key")
+        digest = hash_secret(secret)
+        now = time.monotonic()
+        cached = self._keys.get(digest)
+        if cached is None or now >= cached[0]:
+            row = await self.store.find_key(digest)
+            principal = None if row is None else Principal(
+                key_id=row["id"], tenant=row["tenant"], capture=bool(row["capture"]))
+            if len(self._keys) > 10_000:
+                self._keys.clear()
+            self._keys[digest] = cached = (now + _CACHE_SECONDS, principal)
+        if cached[1] is None:
+            if await self.key_count() == 0:
+                return OPEN  # open gateways ignore whatever key an SDK insists on sending
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+        return cached[1]
+
+    async def require_admin(self, headers: Headers) -> Principal:
+        if not self.is_admin(_bearer(headers)):
+            raise APIError(401 if self.admin_key else 403,
+                           "This route needs the admin key." if self.admin_key
+                           else "No admin key is configured on this gateway.",
+                           error_type="invalid_request_error", code="admin_key_required")
+        return Principal(key_id="admin", tenant=None, admin=True)

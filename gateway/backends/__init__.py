@@ -1,0 +1,17 @@
+"""Model backends behind one protocol, built from the ``[[backends]]`` configuration."""
+
+from __future__ import annotations
+
+from gateway.backends.base import Backend
+from gateway.config import BackendSettings
+
+
+def build_backend(settings: BackendSettings) -> Backend:
+    if settings.kind == "local":
+        # Imported only when configured: it pulls in torch and transformers.
+        from gateway.backends.local import LocalBackend
+
+        return LocalBackend(settings)
+    from gateway.backends.openai_compat import OpenAICompatBackend
+
+    return OpenAICompatBackend(settings)

@@ -1,0 +1,96 @@
+"""The one protocol every model backend implements, and the errors they raise."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Protocol
+
+
+@dataclass
+class ChatRequest:
+    """A chat completion as the backend should run it.
+
+    ``body`` is an OpenAI chat-completions body (messages, tools, sampling parameters) whose ``model`` is
+    already the name the backend knows; ``adapter`` names a LoRA adapter to apply, if any.
+    """
+
+    body: dict[str, Any]
+    model: str
+    adapter: str | None = None
+
+
+@dataclass
+class CallExtras:
+    """What a backend knows beyond the wire response: exact token ids and log-probabilities."""
+
+    prompt_token_ids: list[int] | None = None
+    completion_token_ids: list[list[int]] | None = None  # one list per choice
+    completion_logprobs: list[list[float]] | None = None  # one list per choice, aligned with the ids
+
+
+@dataclass
+class ChatResult:
+    response: dict[str, Any]  # an OpenAI ``chat.completion`` object
+    extras: CallExtras = field(default_factory=CallExtras)
+
+
+class ChunkStream(Protocol):
+    """An async iterator of OpenAI ``chat.completion.chunk`` dicts.
+
+    ``extras`` is complete once iteration has ended; ``aclose`` stops the generation early
+    (a client went away) and releases what it holds.
+    """
+
+    extras: CallExtras
+
+    def __aiter__(self) -> AsyncIterator[dict[str, Any]]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Backend(Protocol):
+    name: str
+    models: list[str]
+
+    async def start(self) -> None:
+        """Acquire resources (connection pools, model weights). Called once before serving."""
+
+    async def chat(self, request: ChatRequest) -> ChatResult: ...
+
+    async def stream(self, request: ChatRequest) -> ChunkStream:
+        """Start a streamed completion. Errors before the first chunk are raised here."""
+
+    async def aclose(self) -> None: ...
+
+
+class BackendError(Exception):
+    """A backend could not produce a completion; carries the HTTP status and OpenAI error fields."""
+
+    status_code = 502
+    error_type = "backend_error"
+
+    def __init__(self, message: str, *, status_code: int | None = None, code: str | None = None,
+                 error_type: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if status_code is not None:
+            self.status_code = status_code
+        if error_type is not None:
+            self.error_type = error_type
+        self.code = code
+        self.param = param
+
+
+class BackendUnavailable(BackendError):
+    status_code = 503
+    error_type = "backend_unavailable"
+
+
+class BackendTimeout(BackendError):
+    status_code = 504
+    error_type = "backend_timeout"
+
+
+class BadGateway(BackendError):
+    status_code = 502
+    error_type = "bad_gateway"

@@ -1,0 +1,184 @@
+"""Any OpenAI-compatible upstream (SGLang, vLLM, hosted APIs) over one pooled httpx client."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+import httpx
+import orjson
+import structlog
+from httpx_sse import EventSource, SSEError
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
+
+from gateway.backends.base import (
+    BackendError,
+    BackendTimeout,
+    BackendUnavailable,
+    BadGateway,
+    CallExtras,
+    ChatRequest,
+    ChatResult,
+)
+from gateway.config import BackendSettings
+
+log = structlog.get_logger()
+
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+
+class _Retryable(Exception):
+    def __init__(self, error: BackendError) -> None:
+        self.error = error
+
+
+def _upstream_error(response: httpx.Response, body: bytes) -> BackendError:
+    """Map an upstream error response: its own message where it sent OpenAI's envelope."""
+    message = body[:500].decode("utf-8", "replace") or response.reason_phrase
+    error_type, code, param = None, None, None
+    try:
+        err = orjson.loads(body).get("error")
+        if isinstance(err, dict):
+            message = str(err.get("message") or message)
+            error_type, code, param = err.get("type"), err.get("code"), err.get("param")
+        elif isinstance(err, str):
+            message = err
+    except (orjson.JSONDecodeError, AttributeError):
+        pass
+    if response.status_code >= 500 or response.status_code == 429:
+        status = 503 if response.status_code in (429, 503) else 502
+        return BackendError(f"upstream returned {response.status_code}: {message}", status_code=status,
+                            error_type="backend_error", code=code)
+    return BackendError(message, status_code=response.status_code,
+                        error_type=error_type or "invalid_request_error", code=code, param=param)
+
+
+class OpenAICompatBackend:
+    """Relays chat completions; retries connection errors, 429 and 5xx before anything reached the client."""
+
+    def __init__(self, settings: BackendSettings) -> None:
+        self.settings = settings
+        self.name = settings.name
+        self.models = list(settings.models)
+        self._client: httpx.AsyncClient | None = None
+
+    async def start(self) -> None:
+        s = self.settings
+        headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
+        self._client = httpx.AsyncClient(
+            base_url=str(s.base_url).rstrip("/"),
+            headers=headers,
+            timeout=httpx.Timeout(s.read_timeout, connect=s.connect_timeout, pool=s.connect_timeout),
+            limits=httpx.Limits(max_connections=s.max_connections, max_keepalive_connections=s.max_connections),
+        )
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+    def upstream_model(self, request: ChatRequest) -> str:
+        return request.model
+
+    def _body(self, request: ChatRequest, stream: bool) -> dict[str, Any]:
+        body = {**request.body, "model": self.upstream_model(request), "stream": stream}
+        if stream:
+            # Usage is always asked for so it can be recorded; the gateway hides it from clients that did not ask.
+            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        else:
+            body.pop("stream_options", None)
+        return body
+
+    async def _send(self, body: dict[str, Any], stream: bool) -> httpx.Response:
+        assert self._client is not None, "backend not started"
+        content = orjson.dumps(body)
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.settings.max_retries + 1),
+            wait=wait_exponential_jitter(initial=0.05, max=2.0, jitter=0.05),
+            retry=retry_if_exception_type(_Retryable),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    return await self._attempt(content, stream)
+        except _Retryable as exc:
+            raise exc.error from None
+        raise AssertionError("unreachable")
+
+    async def _attempt(self, content: bytes, stream: bool) -> httpx.Response:
+        assert self._client is not None
+        request = self._client.build_request(
+            "POST", "/chat/completions", content=content, headers={"Content-Type": "application/json"})
+        try:
+            response = await self._client.send(request, stream=stream)
+        except httpx.ConnectTimeout:
+            raise _Retryable(BackendUnavailable(f"backend {self.name!r} did not accept a connection in time")) from None
+        except httpx.TimeoutException as exc:
+            # Not retried: the upstream may still be working on it, and the client's wait must stay bounded.
+            raise BackendTimeout(f"backend {self.name!r} did not answer in time ({type(exc).__name__})") from None
+        except httpx.TransportError as exc:
+            raise _Retryable(BackendUnavailable(
+                f"backend {self.name!r} is unreachable: {exc or type(exc).__name__}")) from None
+        if response.status_code >= 400:
+            body = await response.aread()
+            await response.aclose()
+            error = _upstream_error(response, body)
+            if response.status_code in RETRY_STATUSES:
+                raise _Retryable(error)
+            raise error
+        return response
+
+    async def chat(self, request: ChatRequest) -> ChatResult:
+        response = await self._send(self._body(request, stream=False), stream=False)
+        try:
+            data = orjson.loads(response.content)
+        except orjson.JSONDecodeError:
+            raise BadGateway(f"backend {self.name!r} returned a body that is not JSON") from None
+        if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
+            raise BadGateway(f"backend {self.name!r} returned JSON without 'choices'")
+        return ChatResult(response=data)
+
+    async def stream(self, request: ChatRequest) -> "UpstreamStream":
+        response = await self._send(self._body(request, stream=True), stream=True)
+        return UpstreamStream(response, self.name)
+
+
+class UpstreamStream:
+    """Relays an upstream SSE stream chunk by chunk, never buffering the whole response."""
+
+    def __init__(self, response: httpx.Response, backend: str) -> None:
+        self._response = response
+        self._backend = backend
+        self.extras = CallExtras()
+
+    def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+        return self._chunks()
+
+    async def _chunks(self) -> AsyncIterator[dict[str, Any]]:
+        try:
+            async for event in EventSource(self._response).aiter_sse():
+                if event.data == "[DONE]":
+                    return
+                if not event.data:
+                    continue
+                try:
+                    chunk = orjson.loads(event.data)
+                except orjson.JSONDecodeError:
+                    raise BadGateway(f"backend {self._backend!r} sent a stream event that is not JSON") from None
+                if not isinstance(chunk, dict):
+                    raise BadGateway(f"backend {self._backend!r} sent a stream event that is not an object")
+                if "error" in chunk and "choices" not in chunk:
+                    err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
+                    raise BackendError(f"backend {self._backend!r} failed mid-stream: {err.get('message')}",
+                                       code=err.get("code"))
+                yield chunk
+        except SSEError as exc:
+            raise BadGateway(f"backend {self._backend!r} did not send an event stream: {exc}") from None
+        except httpx.TimeoutException:
+            raise BackendTimeout(f"backend {self._backend!r} stalled mid-stream") from None
+        except httpx.TransportError as exc:
+            raise BackendUnavailable(f"backend {self._backend!r} dropped the stream: {exc}") from None
+        finally:
+            await self._response.aclose()
+
+    async def aclose(self) -> None:
+        await self._response.aclose()

@@ -1,0 +1,223 @@
+"""The ``harness`` command."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import sys
+from datetime import datetime, timezone
+from typing import Any, Awaitable, Callable, Optional, TypeVar
+
+import orjson
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from gateway.auth import hash_secret, new_secret
+from gateway.config import ConfigError, Settings, load_settings
+from replay.store import TrajectoryStore
+
+T = TypeVar("T")
+
+app = typer.Typer(help="Agent harness: an OpenAI-compatible gateway that records every trajectory.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+keys_app = typer.Typer(help="API keys (stored hashed, one tenant each).", no_args_is_help=True)
+traj_app = typer.Typer(help="Captured trajectories.", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+app.add_typer(traj_app, name="trajectories")
+
+console = Console()
+ConfigOption = typer.Option(None, "--config", "-c", help="TOML config file (default: $HARNESS_CONFIG).")
+
+
+def _settings(config: Optional[str]) -> Settings:
+    try:
+        return load_settings(config)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _with_store(settings: Settings, fn: Callable[[TrajectoryStore], Awaitable[T]]) -> T:
+    async def run() -> T:
+        store = TrajectoryStore(settings.store.path, synchronous=settings.store.synchronous)
+        await store.start()
+        try:
+            return await fn(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(run())
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@app.command()
+def serve(config: Optional[str] = ConfigOption,
+          host: Optional[str] = typer.Option(None, help="Override [server] host."),
+          port: Optional[int] = typer.Option(None, help="Override [server] port.")) -> None:
+    """Start the gateway."""
+    import uvicorn
+
+    from gateway.app import build_app
+    from gateway.logging import configure_logging
+
+    settings = _settings(config)
+    if host is not None:
+        settings.server.host = host
+    if port is not None:
+        settings.server.port = port
+    configure_logging(settings.server.log_format, settings.server.log_level)
+    if not is_loopback(settings.server.host):
+        key_count = _with_store(settings, lambda s: s.count_keys())
+        if key_count == 0:
+            typer.echo(f"error: refusing to bind {settings.server.host}: no API keys exist, so the gateway would "
+                       "be open to anyone. Create one with 'harness keys create --tenant NAME' or bind 127.0.0.1.",
+                       err=True)
+            raise typer.Exit(2)
+    uvicorn.run(build_app(settings), host=settings.server.host, port=settings.server.port,
+                log_level="warning", access_log=False, loop="uvloop", http="httptools",
+                timeout_graceful_shutdown=10)
+
+
+@keys_app.command("create")
+def keys_create(tenant: str = typer.Option(..., help="Tenant this key belongs to."),
+                name: Optional[str] = typer.Option(None, help="A label for people."),
+                capture: bool = typer.Option(True, "--capture/--no-capture", help="Record this key's traffic."),
+                config: Optional[str] = ConfigOption) -> None:
+    """Create a key; the secret is printed once and stored only as a hash."""
+    settings = _settings(config)
+    secret = new_secret()
+    key_id = _with_store(settings, lambda s: s.create_key(tenant=tenant, name=name, capture=capture,
+                                                          secret_hash=hash_secret(secret)))
+    typer.echo(f"id:     {key_id}\ntenant: {tenant}\nkey:    {secret}\n(the key is shown only now)")
+
+
+@keys_app.command("list")
+def keys_list(config: Optional[str] = ConfigOption,
+              as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+    """List keys (never their secrets)."""
+    rows = _with_store(_settings(config), lambda s: s.list_keys())
+    if as_json:
+        typer.echo(orjson.dumps(rows).decode())
+        return
+    table = Table("id", "tenant", "name", "capture", "created", "revoked")
+    for r in rows:
+        table.add_row(r["id"], r["tenant"], r["name"] or "", "yes" if r["capture"] else "no",
+                      _time(r["created_at"]), _time(r["revoked_at"]) if r["revoked_at"] else "")
+    console.print(table)
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: str, config: Optional[str] = ConfigOption) -> None:
+    """Revoke a key by id."""
+    if not _with_store(_settings(config), lambda s: s.revoke_key(key_id)):
+        typer.echo(f"error: no active key with id {key_id}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"revoked {key_id}")
+
+
+def _time(ts: float | None) -> str:
+    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if ts else ""
+
+
+@traj_app.command("list")
+def trajectories_list(config: Optional[str] = ConfigOption,
+                      limit: int = typer.Option(20, min=1, max=10_000),
+                      tenant: Optional[str] = typer.Option(None, help="Only this tenant's."),
+                      as_json: bool = typer.Option(False, "--json")) -> None:
+    """The newest trajectories first."""
+    rows = _with_store(_settings(config), lambda s: s.list_trajectories(
+        tenant=tenant, all_tenants=tenant is None, limit=limit))
+    if as_json:
+        typer.echo(orjson.dumps(rows).decode())
+        return
+    table = Table("id", "created", "source", "tenant", "model", "status", "calls", "msgs", "tokens", "parent")
+    for r in rows:
+        table.add_row(r["id"], _time(r["created_at"]), r["source"], r["tenant"] or "", r["requested_model"] or "",
+                      r["status"], str(r["n_calls"]), str(r["message_count"]),
+                      str(r["prompt_tokens"] + r["completion_tokens"]), r["parent_id"] or "")
+    console.print(table)
+
+
+@traj_app.command("show")
+def trajectories_show(trajectory_id: str, config: Optional[str] = ConfigOption,
+                      as_json: bool = typer.Option(False, "--json")) -> None:
+    """One trajectory as a readable timeline (or its full record with --json)."""
+    found = _with_store(_settings(config), lambda s: s.get_trajectory(trajectory_id, all_tenants=True))
+    if found is None:
+        typer.echo(f"error: no trajectory {trajectory_id}", err=True)
+        raise typer.Exit(1)
+    if as_json:
+        typer.echo(orjson.dumps(found, option=orjson.OPT_INDENT_2).decode())
+        return
+    _print_timeline(found)
+
+
+def _print_timeline(t: dict[str, Any]) -> None:
+    console.print(f"[bold]trajectory {t['id']}[/bold]  {t['status']}  model={t['requested_model']}  "
+                  f"tenant={t['tenant'] or '-'}  calls={t['n_calls']}  parent={t['parent_id'] or '-'}")
+    seen = 0
+    for call in t["calls"]:
+        console.print(f"\n[dim]── call {call['seq']} · {_time(call['created_at'])} · {call['backend']} · "
+                      f"{call['status']} · {call['latency_ms']:.0f} ms · "
+                      f"{call['prompt_tokens']}+{call['completion_tokens']} tokens[/dim]")
+        messages = call["request"]["messages"]
+        # Clients resend the history; show only what is new since the previous call.
+        for m in messages[seen:]:
+            _print_message(m)
+        seen = len(messages)
+        for choice in (call["response"] or {}).get("choices", []):
+            if choice.get("message"):
+                _print_message(choice["message"], suffix=f" ({choice.get('finish_reason')})")
+                seen += 1 if choice.get("index", 0) == 0 else 0
+        if call["error"]:
+            console.print(f"[red]error:[/red] {call['error']}")
+
+
+def _print_message(m: dict[str, Any], suffix: str = "") -> None:
+    content = m.get("content")
+    if isinstance(content, list):
+        content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+    console.print(f"[cyan]{m.get('role')}[/cyan]{suffix}: {content or ''}", markup=True, highlight=False)
+    for call in m.get("tool_calls") or []:
+        fn = call.get("function") or {}
+        console.print(f"   → {fn.get('name')}({fn.get('arguments')})  [dim]{call.get('id')}[/dim]")
+
+
+@traj_app.command("delete")
+def trajectories_delete(trajectory_id: Optional[str] = typer.Argument(None),
+                        before: Optional[str] = typer.Option(None, help="Delete all created before this date "
+                                                             "(ISO 8601, e.g. 2026-01-31)."),
+                        config: Optional[str] = ConfigOption) -> None:
+    """Delete one trajectory, or all older than a date."""
+    if (trajectory_id is None) == (before is None):
+        typer.echo("error: give a trajectory id or --before DATE (not both)", err=True)
+        raise typer.Exit(2)
+    settings = _settings(config)
+    if before is not None:
+        try:
+            when = datetime.fromisoformat(before)
+        except ValueError:
+            typer.echo(f"error: --before {before!r} is not an ISO 8601 date", err=True)
+            raise typer.Exit(2) from None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=timezone.utc)
+        count = _with_store(settings, lambda s: s.delete(before=when.timestamp()))
+    else:
+        count = _with_store(settings, lambda s: s.delete(ids=[trajectory_id]))  # type: ignore[list-item]
+        if count == 0:
+            typer.echo(f"error: no trajectory {trajectory_id}", err=True)
+            raise typer.Exit(1)
+    typer.echo(f"deleted {count} trajectories")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

@@ -1,0 +1,164 @@
+"""One settings object: a TOML file plus ``HARNESS_<SECTION>__<KEY>`` environment overrides.
+
+This is the only module that reads the environment. Everything else receives a ``Settings``.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+ENV_PREFIX = "HARNESS_"
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used; the message says which key and why."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerSettings(_Section):
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 picks a free one).")
+    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest accepted request body.")
+    admin_key_env: str = Field("HARNESS_ADMIN_KEY", description="Variable holding the admin key.")
+    log_format: Literal["auto", "json", "console"] = Field(
+        "auto", description="auto: readable on a terminal, JSON otherwise."
+    )
+    log_level: str = Field("info", description="Lowest level written.")
+    # Filled from admin_key_env at load time.
+    admin_key: str | None = Field(None, exclude=True)
+
+
+class StoreSettings(_Section):
+    path: str = Field("harness.db", description="SQLite file for trajectories.")
+    synchronous: Literal["NORMAL", "FULL"] = Field(
+        "NORMAL", description="NORMAL survives a process crash; FULL also a power loss."
+    )
+    retention_days: float | None = Field(None, gt=0, description="Delete trajectories older than this.")
+    max_batch: int = Field(256, gt=0, description="Most records committed in one transaction.")
+    max_queue: int = Field(100_000, gt=0, description="Pending records before requests wait (backpressure).")
+    commit_delay_ms: float = Field(0.0, ge=0, description="Injected delay before each commit (tests only).")
+
+
+class BackendSettings(_Section):
+    name: str
+    kind: Literal["openai", "sglang", "vllm", "local"] = "openai"
+    base_url: str | None = None
+    api_key_env: str | None = None
+    models: list[str] = Field(default_factory=list, description="Base model names this backend serves.")
+    connect_timeout: float = Field(5.0, gt=0)
+    read_timeout: float = Field(120.0, gt=0)
+    max_retries: int = Field(2, ge=0, description="Retries on connection errors, 429 and 5xx.")
+    max_connections: int = Field(256, gt=0)
+    # local kind
+    model_path: str | None = Field(None, description="local: a GGUF file or a cached folder; default the embedded model.")
+    cache_dir: str | None = Field(None, description="local: where dequantized weights are cached.")
+    max_batch_size: int = Field(8, gt=0, description="local: most sequences in one forward pass.")
+    batch_wait_ms: float = Field(5.0, ge=0, description="local: how long to gather a batch.")
+    threads: int | None = Field(None, gt=0, description="local: torch threads (default: all cores).")
+    api_key: str | None = Field(None, exclude=True)
+
+    @model_validator(mode="after")
+    def _check_kind(self) -> "BackendSettings":
+        if self.kind != "local" and not self.base_url:
+            raise ValueError(f"backend {self.name!r} of kind {self.kind!r} needs base_url")
+        if self.kind == "local" and not self.models:
+            self.models = [DEFAULT_MODEL_NAME]
+        if not self.models:
+            raise ValueError(f"backend {self.name!r} lists no models")
+        return self
+
+
+class Settings(_Section):
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    store: StoreSettings = Field(default_factory=StoreSettings)
+    backends: list[BackendSettings] = Field(default_factory=list)
+    # Reserved for later work; accepted as free-form tables so configs stay forward compatible.
+    profiles: list[dict[str, Any]] = Field(default_factory=list)
+    routing: dict[str, Any] = Field(default_factory=dict)
+    tools: dict[str, Any] = Field(default_factory=dict)
+    rewards: dict[str, Any] = Field(default_factory=dict)
+    training: dict[str, Any] = Field(default_factory=dict)
+    bot: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _default_backend(self) -> "Settings":
+        if not self.backends:
+            self.backends = [BackendSettings(name="local", kind="local")]
+        names = [b.name for b in self.backends]
+        if len(set(names)) != len(names):
+            raise ValueError(f"backend names must be unique, got {names}")
+        return self
+
+
+def _parse_env_value(raw: str) -> Any:
+    """Read an override as a TOML value where it is one (numbers, booleans, arrays), else a string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _apply_override(data: dict[str, Any], path: list[str], value: Any) -> None:
+    node: Any = data
+    for i, part in enumerate(path):
+        last = i == len(path) - 1
+        if isinstance(node, list):
+            if not part.isdigit():
+                raise ConfigError(f"{'.'.join(path)}: {part!r} is not a list index")
+            idx = int(part)
+            while len(node) <= idx:
+                node.append({})
+            if last:
+                node[idx] = value
+            else:
+                node = node[idx]
+            continue
+        if last:
+            node[part] = value
+        else:
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = [] if part in ("backends", "profiles") else {}
+                node[part] = nxt
+            node = nxt
+
+
+def load_settings(path: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Load the TOML file (``path``, else ``HARNESS_CONFIG``, else none) and apply environment overrides."""
+    env = os.environ if environ is None else environ
+    path = path or env.get("HARNESS_CONFIG")
+    data: dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {p}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{p}: invalid TOML: {exc}") from None
+    for key, raw in env.items():
+        if not key.startswith(ENV_PREFIX) or "__" not in key:
+            continue
+        parts = [p.lower() for p in key[len(ENV_PREFIX):].split("__")]
+        _apply_override(data, parts, _parse_env_value(raw))
+    try:
+        settings = Settings.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(x) for x in err['loc']) or '(top)'}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"invalid configuration: {problems}") from None
+    settings.server.admin_key = env.get(settings.server.admin_key_env) or None
+    for backend in settings.backends:
+        if backend.api_key_env:
+            backend.api_key = env.get(backend.api_key_env) or None
+    return settings

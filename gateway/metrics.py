@@ -1,0 +1,37 @@
+"""Prometheus metrics, one registry per app so several gateways can live in one process (tests)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_COMMIT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1)
+
+
+class Metrics:
+    def __init__(self, queue_depth: Callable[[], float]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("harness_requests", "HTTP requests handled.", ["route", "status"], registry=r)
+        self.latency = Histogram("harness_request_latency_seconds", "Time from request to last byte.",
+                                 ["route"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("harness_time_to_first_token_seconds", "Streamed requests: time to first chunk.",
+                              ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.tokens = Counter("harness_tokens", "Tokens processed.", ["model", "kind"], registry=r)
+        self.errors = Counter("harness_errors", "Errors returned, by OpenAI error type.", ["type"], registry=r)
+        self.queue_depth = Gauge("harness_store_queue_depth", "Records waiting for the store writer.",
+                                 registry=r)
+        self.queue_depth.set_function(queue_depth)
+        self.commit_latency = Histogram("harness_store_commit_seconds", "Time to write and commit one batch.",
+                                        buckets=_COMMIT_BUCKETS, registry=r)
+        self.commit_batch = Histogram("harness_store_commit_batch_size", "Records per committed batch.",
+                                      buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
+
+    def observe_commit(self, batch: int, seconds: float) -> None:
+        self.commit_latency.observe(seconds)
+        self.commit_batch.observe(batch)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

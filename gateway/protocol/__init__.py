@@ -1,0 +1,1 @@
+"""Pure translation between wire formats: no I/O here."""

@@ -1,0 +1,165 @@
+"""Chat-completions requests and streams: validation, and assembly of chunks into a completion.
+
+Pure functions over dicts; the API layer does the I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from gateway.errors import APIError
+
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class _Function(_Open):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _valid_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            try:
+                Draft202012Validator.check_schema(value)
+            except SchemaError as exc:
+                path = "/".join(str(p) for p in exc.path) or "(root)"
+                raise ValueError(f"not a valid JSON Schema at {path}: {exc.message}") from None
+        return value
+
+
+class _Tool(_Open):
+    type: Literal["function"]
+    function: _Function
+
+
+class _Message(_Open):
+    role: Role
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class _StreamOptions(_Open):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Open):
+    model: str = Field(min_length=1)
+    messages: list[_Message] = Field(min_length=1)
+    stream: bool = False
+    stream_options: _StreamOptions | None = None
+    tools: list[_Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    n: int = Field(1, ge=1, le=16)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    response_format: dict[str, Any] | None = None
+    user: str | None = None
+    prompt_cache_key: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_limit(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return value
+
+
+def validate_chat_request(body: Any) -> ChatCompletionRequest:
+    """Check a decoded body against the chat-completions contract; raise a 400 that names the field."""
+    if not isinstance(body, dict):
+        raise APIError(400, "Request body must be a JSON object.")
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        msg = err["msg"]
+        if err["type"] == "missing":
+            msg = f"Missing required parameter: '{param}'."
+        else:
+            msg = f"Invalid value for '{param}': {msg}"
+        return_code = "missing_required_parameter" if err["type"] == "missing" else "invalid_value"
+        raise APIError(400, msg, param=param, code=return_code) from None
+
+
+class ChunkAccumulator:
+    """Folds a stream of ``chat.completion.chunk`` dicts into the ``chat.completion`` it describes."""
+
+    def __init__(self) -> None:
+        self.id: str | None = None
+        self.model: str | None = None
+        self.created: int | None = None
+        self.usage: dict[str, Any] | None = None
+        self._choices: dict[int, dict[str, Any]] = {}
+        self.chunks = 0
+
+    def add(self, chunk: dict[str, Any]) -> None:
+        self.chunks += 1
+        self.id = self.id or chunk.get("id")
+        self.model = self.model or chunk.get("model")
+        self.created = self.created or chunk.get("created")
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices") or ():
+            idx = choice.get("index", 0)
+            acc = self._choices.setdefault(
+                idx, {"content": [], "reasoning": [], "tool_calls": {}, "finish_reason": None, "role": "assistant"}
+            )
+            delta = choice.get("delta") or {}
+            if delta.get("role"):
+                acc["role"] = delta["role"]
+            if delta.get("content"):
+                acc["content"].append(delta["content"])
+            if delta.get("reasoning_content"):
+                acc["reasoning"].append(delta["reasoning_content"])
+            for call in delta.get("tool_calls") or ():
+                slot = acc["tool_calls"].setdefault(
+                    call.get("index", 0), {"id": None, "type": "function", "name": [], "arguments": []}
+                )
+                if call.get("id"):
+                    slot["id"] = call["id"]
+                fn = call.get("function") or {}
+                if fn.get("name"):
+                    slot["name"].append(fn["name"])
+                if fn.get("arguments"):
+                    slot["arguments"].append(fn["arguments"])
+            if choice.get("finish_reason"):
+                acc["finish_reason"] = choice["finish_reason"]
+
+    def completion(self) -> dict[str, Any]:
+        choices = []
+        for idx in sorted(self._choices):
+            acc = self._choices[idx]
+            message: dict[str, Any] = {"role": acc["role"], "content": "".join(acc["content"]) or None}
+            if acc["reasoning"]:
+                message["reasoning_content"] = "".join(acc["reasoning"])
+            if acc["tool_calls"]:
+                message["tool_calls"] = [
+                    {"id": s["id"], "type": s["type"],
+                     "function": {"name": "".join(s["name"]), "arguments": "".join(s["arguments"])}}
+                    for _, s in sorted(acc["tool_calls"].items())
+                ]
+            choices.append({"index": idx, "message": message, "finish_reason": acc["finish_reason"]})
+        out: dict[str, Any] = {"id": self.id, "object": "chat.completion", "created": self.created,
+                               "model": self.model, "choices": choices}
+        if self.usage:
+            out["usage"] = self.usage
+        return out

@@ -1,0 +1,1 @@
+"""Trajectory store, export and rewards."""

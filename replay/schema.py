@@ -1,0 +1,97 @@
+"""The store's schema as an ordered list of migrations; ``PRAGMA user_version`` says how many ran."""
+
+from __future__ import annotations
+
+import sqlite3
+
+MIGRATIONS: list[str] = [
+    # 1: trajectories, content-addressed bodies, model calls, API keys.
+    """
+    CREATE TABLE trajectories (
+        id TEXT PRIMARY KEY,
+        source TEXT NOT NULL,
+        tenant TEXT,
+        key_id TEXT,
+        session_key TEXT,
+        requested_model TEXT,
+        base_model TEXT,
+        adapter TEXT,
+        adapter_version TEXT,
+        task_id TEXT,
+        group_id TEXT,
+        parent_id TEXT,
+        status TEXT NOT NULL,
+        termination_reason TEXT,
+        head_hash TEXT,
+        message_count INTEGER NOT NULL DEFAULT 0,
+        n_calls INTEGER NOT NULL DEFAULT 0,
+        prompt_tokens INTEGER NOT NULL DEFAULT 0,
+        completion_tokens INTEGER NOT NULL DEFAULT 0,
+        latency_ms REAL NOT NULL DEFAULT 0,
+        final_reward REAL,
+        metadata TEXT,
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL
+    );
+    CREATE INDEX trajectories_session ON trajectories(session_key, updated_at);
+    CREATE INDEX trajectories_head ON trajectories(head_hash);
+    CREATE INDEX trajectories_created ON trajectories(created_at);
+    CREATE INDEX trajectories_tenant ON trajectories(tenant, created_at);
+    CREATE INDEX trajectories_group ON trajectories(group_id);
+
+    CREATE TABLE blobs (
+        hash TEXT PRIMARY KEY,
+        body BLOB NOT NULL
+    ) WITHOUT ROWID;
+
+    CREATE TABLE model_calls (
+        id TEXT PRIMARY KEY,
+        trajectory_id TEXT NOT NULL REFERENCES trajectories(id) ON DELETE CASCADE,
+        seq INTEGER NOT NULL,
+        created_at REAL NOT NULL,
+        backend TEXT,
+        model TEXT,
+        adapter TEXT,
+        stream INTEGER NOT NULL DEFAULT 0,
+        request_messages TEXT NOT NULL,
+        tools_hash TEXT,
+        params TEXT,
+        response TEXT,
+        response_messages TEXT,
+        status TEXT NOT NULL,
+        error TEXT,
+        prompt_tokens INTEGER,
+        completion_tokens INTEGER,
+        latency_ms REAL,
+        ttft_ms REAL,
+        prompt_token_ids BLOB,
+        completion_token_ids BLOB,
+        completion_logprobs BLOB
+    );
+    CREATE INDEX model_calls_trajectory ON model_calls(trajectory_id, seq);
+
+    CREATE TABLE api_keys (
+        id TEXT PRIMARY KEY,
+        hash TEXT NOT NULL UNIQUE,
+        tenant TEXT NOT NULL,
+        name TEXT,
+        capture INTEGER NOT NULL DEFAULT 1,
+        created_at REAL NOT NULL,
+        revoked_at REAL
+    );
+    """,
+]
+
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def migrate(conn: sqlite3.Connection) -> int:
+    """Bring a database to the newest schema; returns the version it started at."""
+    start = conn.execute("PRAGMA user_version").fetchone()[0]
+    if start > SCHEMA_VERSION:
+        raise RuntimeError(
+            f"database schema version {start} is newer than this program knows ({SCHEMA_VERSION})"
+        )
+    for version in range(start, SCHEMA_VERSION):
+        conn.executescript("BEGIN;\n" + MIGRATIONS[version] + f"\nPRAGMA user_version = {version + 1};\nCOMMIT;")
+    return start

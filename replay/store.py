@@ -1,0 +1,516 @@
+"""The trajectory store: SQLite through aiosqlite, one writer task with group commit.
+
+Every write goes through one queue to one writer task, which commits whatever has gathered as one
+transaction (WAL; ``synchronous=NORMAL`` survives a process crash, ``FULL`` also a power loss). Callers
+await their record's commit, so a response is only ever sent for an exchange that is already durable.
+Reads use a second connection; WAL lets them run beside the writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import aiosqlite
+import orjson
+import structlog
+from ulid import ULID
+
+from replay import hashing
+from replay.schema import migrate
+
+log = structlog.get_logger()
+
+CAPTURE_STATUSES = ("ok", "error", "client_disconnected")
+
+
+def new_id() -> str:
+    """Sortable identifiers: time order is id order."""
+    return str(ULID())
+
+
+def _pack(value: Any) -> bytes | None:
+    return None if value is None else zlib.compress(orjson.dumps(value), 1)
+
+
+def unpack(value: bytes | None) -> Any:
+    return None if value is None else orjson.loads(zlib.decompress(value))
+
+
+class _LRU(OrderedDict):
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+
+    def put(self, key: Any, value: Any) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        if len(self) > self.capacity:
+            self.popitem(last=False)
+
+
+@dataclass
+class TrajectoryRef:
+    """Where a call belongs: decided before the call runs, so its id can go out in the response headers."""
+
+    id: str
+    seq: int
+    is_new: bool
+    session_key: str | None = None
+    parent_id: str | None = None
+    group_id: str | None = None
+
+
+@dataclass
+class CallRecord:
+    """One backend call and the trajectory it extends."""
+
+    trajectory: TrajectoryRef
+    request_messages: list[dict[str, Any]]
+    request_prefix: list[str]  # stitch hashes of the request's message prefixes
+    status: str
+    source: str = "proxy"
+    tenant: str | None = None
+    key_id: str | None = None
+    requested_model: str | None = None
+    base_model: str | None = None
+    adapter: str | None = None
+    backend: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    response: dict[str, Any] | None = None
+    error: str | None = None
+    stream: bool = False
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    latency_ms: float = 0.0
+    ttft_ms: float | None = None
+    prompt_token_ids: list[int] | None = None
+    completion_token_ids: list[list[int]] | None = None
+    completion_logprobs: list[list[float]] | None = None
+    created_at: float = field(default_factory=time.time)
+
+
+class StoreClosed(RuntimeError):
+    pass
+
+
+class TrajectoryStore:
+    def __init__(self, path: str, *, synchronous: str = "NORMAL", max_batch: int = 256,
+                 max_queue: int = 100_000, commit_delay_ms: float = 0.0,
+                 on_commit: Any = None) -> None:
+        self.path = path
+        self.synchronous = synchronous
+        self.max_batch = max_batch
+        self.commit_delay = commit_delay_ms / 1000
+        self._queue: asyncio.Queue[tuple[CallRecord, asyncio.Future[None]]] = asyncio.Queue(max_queue)
+        self._writer: aiosqlite.Connection | None = None
+        self._reader: aiosqlite.Connection | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self._known_blobs = _LRU(200_000)
+        # Stitching caches, refilled from the database on a miss: a head hash -> the trajectory that
+        # had it (maybe no longer), a trajectory -> [its current head, next seq], a session -> newest trajectory.
+        self._heads = _LRU(100_000)
+        self._state = _LRU(100_000)
+        self._sessions = _LRU(100_000)
+        self._resolve_lock = asyncio.Lock()
+        # One transaction at a time on the writer connection: batches, deletes and key changes.
+        self._write_lock = asyncio.Lock()
+        self._on_commit = on_commit  # callback(batch_size, seconds) for metrics
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        conn = sqlite3.connect(self.path)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            migrate(conn)
+        finally:
+            conn.close()
+        self._writer = await self._connect()
+        self._reader = await self._connect()
+        self._task = asyncio.create_task(self._write_loop(), name="store-writer")
+
+    async def _connect(self) -> aiosqlite.Connection:
+        conn = await aiosqlite.connect(self.path)
+        await conn.execute("PRAGMA journal_mode=WAL")
+        await conn.execute(f"PRAGMA synchronous={self.synchronous}")
+        await conn.execute("PRAGMA foreign_keys=ON")
+        await conn.execute("PRAGMA busy_timeout=10000")
+        conn.row_factory = aiosqlite.Row
+        return conn
+
+    async def close(self) -> None:
+        """Commit everything already accepted, then close."""
+        self._closing = True
+        if self._task:
+            await self._queue.join()
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for conn in (self._writer, self._reader):
+            if conn is not None:
+                await conn.close()
+        self._writer = self._reader = None
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    # -- stitching ---------------------------------------------------------------------------------
+
+    async def resolve(self, *, session_key: str | None, prefix: list[str], anchor: str,
+                      tenant: str | None) -> TrajectoryRef:
+        """Decide which trajectory a request extends, or start a new one (recording its parent).
+
+        With a session key, the newest trajectory of that session is extended when the request's
+        history starts with everything it holds; otherwise the request forks it. Without one, the
+        trajectory whose conversation is the longest prefix of the request is extended if that prefix
+        is still its whole conversation, and forked if it has moved on since (an edit or a retry); a
+        request that shares only the opening (system prompt and first user message) forks it too.
+        """
+        async with self._resolve_lock:
+            scope = f"{tenant or ''}\x00"
+            if session_key is not None:
+                tid = self._sessions.get(scope + session_key) or await self._session_from_db(session_key, tenant)
+                if tid is not None:
+                    state = await self._state_of(tid)
+                    if state[0] in set(prefix):
+                        return self._claim(tid, state)
+                return self._new(scope, session_key, parent=tid)
+            for head in reversed(prefix):
+                tid = self._heads.get(scope + head) or await self._head_from_db(head, tenant)
+                if tid is not None:
+                    state = await self._state_of(tid)
+                    if state[0] == head:
+                        return self._claim(tid, state)
+                    return self._new(scope, f"prefix:{anchor}", parent=tid)
+            anchor_key = f"prefix:{anchor}"
+            parent = self._sessions.get(scope + anchor_key) or await self._session_from_db(anchor_key, tenant)
+            return self._new(scope, anchor_key, parent=parent)
+
+    def _claim(self, tid: str, state: list[Any]) -> TrajectoryRef:
+        # Reserve the sequence number now so concurrent calls on one trajectory never collide.
+        seq = state[1]
+        state[1] += 1
+        return TrajectoryRef(id=tid, seq=seq, is_new=False)
+
+    def _new(self, scope: str, session_key: str, parent: str | None) -> TrajectoryRef:
+        tid = new_id()
+        self._sessions.put(scope + session_key, tid)
+        self._state.put(tid, [None, 1])
+        return TrajectoryRef(id=tid, seq=0, is_new=True, session_key=session_key, parent_id=parent)
+
+    async def _state_of(self, tid: str) -> list[Any]:
+        """[current head hash, next call sequence number] of a trajectory."""
+        state = self._state.get(tid)
+        if state is None:
+            assert self._reader is not None
+            async with self._reader.execute("SELECT head_hash, n_calls FROM trajectories WHERE id = ?",
+                                            (tid,)) as cur:
+                row = await cur.fetchone()
+            state = [row[0], row[1]] if row else [None, 0]
+            self._state.put(tid, state)
+        return state
+
+    async def _session_from_db(self, session_key: str, tenant: str | None) -> str | None:
+        assert self._reader is not None
+        async with self._reader.execute(
+            "SELECT id FROM trajectories WHERE session_key = ? AND tenant IS ? "
+            "ORDER BY updated_at DESC LIMIT 1", (session_key, tenant)) as cur:
+            row = await cur.fetchone()
+        return row[0] if row else None
+
+    async def _head_from_db(self, head: str, tenant: str | None) -> str | None:
+        assert self._reader is not None
+        async with self._reader.execute(
+            "SELECT id FROM trajectories WHERE head_hash = ? AND tenant IS ? "
+            "ORDER BY updated_at DESC LIMIT 1", (head, tenant)) as cur:
+            row = await cur.fetchone()
+        return row[0] if row else None
+
+    def _advance(self, rec: CallRecord, head: str | None) -> None:
+        """After a call, its conversation (request plus the first choice) is the trajectory's new head."""
+        if head is None:
+            return
+        tid = rec.trajectory.id
+        self._heads.put(f"{rec.tenant or ''}\x00" + head, tid)
+        state = self._state.get(tid)
+        if state is None:
+            self._state.put(tid, [head, rec.trajectory.seq + 1])
+        else:
+            state[0] = head
+
+    # -- writing -----------------------------------------------------------------------------------
+
+    async def record(self, rec: CallRecord) -> None:
+        """Queue a call for the next commit and wait until it is durable."""
+        if self._closing or self._task is None:
+            raise StoreClosed("the store is closed")
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        await self._queue.put((rec, fut))
+        await fut
+
+    async def _write_loop(self) -> None:
+        while True:
+            first = await self._queue.get()
+            batch = [first]
+            while len(batch) < self.max_batch and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            started = time.perf_counter()
+            try:
+                async with self._write_lock:
+                    new_blobs = await self._write_batch([rec for rec, _ in batch])
+                for key in new_blobs:
+                    self._known_blobs.put(key, True)
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_result(None)
+            except Exception as exc:  # noqa: BLE001 - every waiter must hear of the failure
+                log.error("store.commit_failed", error=str(exc), batch=len(batch))
+                try:
+                    await self._writer.rollback()  # type: ignore[union-attr]
+                except Exception:  # noqa: BLE001
+                    pass
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(exc)
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+            if self._on_commit is not None:
+                self._on_commit(len(batch), time.perf_counter() - started)
+
+    async def _write_batch(self, batch: list[CallRecord]) -> list[str]:
+        assert self._writer is not None
+        blobs: dict[str, bytes] = {}
+        trajectories = []
+        calls = []
+
+        def put_blob(value: Any) -> str:
+            body = hashing.exact_json(value)
+            key = hashing.blob_hash(body)
+            if key not in self._known_blobs:
+                blobs[key] = body
+            return key
+
+        for rec in batch:
+            request_keys = [put_blob(m) for m in rec.request_messages]
+            tools_key = put_blob(rec.tools) if rec.tools else None
+            response = rec.response
+            response_keys: list[str] = []
+            head = rec.request_prefix[-1] if rec.request_prefix else None
+            if response is not None:
+                choices = response.get("choices") or []
+                response_keys = [put_blob(c.get("message") or {}) for c in choices]
+                if choices and choices[0].get("message"):
+                    head = hashing.chain(head or "", hashing.stitch_hash(choices[0]["message"]))
+                # Bodies live in blobs; the response keeps everything else.
+                response = {**response, "choices": [
+                    {k: v for k, v in c.items() if k != "message"} for c in choices]}
+            self._advance(rec, head)
+            status = "completed" if rec.status == "ok" else rec.status
+            ref = rec.trajectory
+            message_count = len(rec.request_messages) + (1 if response_keys else 0)
+            trajectories.append((
+                ref.id, rec.source, rec.tenant, rec.key_id, ref.session_key, rec.requested_model,
+                rec.base_model, rec.adapter, ref.group_id, ref.parent_id, status, head, message_count,
+                rec.prompt_tokens, rec.completion_tokens, rec.latency_ms, rec.created_at, rec.created_at,
+            ))
+            calls.append((
+                new_id(), ref.id, ref.seq, rec.created_at, rec.backend, rec.base_model, rec.adapter,
+                int(rec.stream), orjson.dumps(request_keys).decode(), tools_key,
+                orjson.dumps(rec.params).decode(), orjson.dumps(response).decode() if response else None,
+                orjson.dumps(response_keys).decode(), rec.status, rec.error, rec.prompt_tokens,
+                rec.completion_tokens, rec.latency_ms, rec.ttft_ms, _pack(rec.prompt_token_ids),
+                _pack(rec.completion_token_ids), _pack(rec.completion_logprobs),
+            ))
+        db = self._writer
+        if blobs:
+            await db.executemany("INSERT OR IGNORE INTO blobs(hash, body) VALUES (?, ?)", list(blobs.items()))
+        await db.executemany(
+            """INSERT INTO trajectories(id, source, tenant, key_id, session_key, requested_model, base_model,
+                   adapter, group_id, parent_id, status, head_hash, message_count, n_calls, prompt_tokens,
+                   completion_tokens, latency_ms, created_at, updated_at)
+               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1, ?, ?, ?, ?, ?)
+               ON CONFLICT(id) DO UPDATE SET
+                   status = excluded.status,
+                   head_hash = COALESCE(excluded.head_hash, head_hash),
+                   message_count = MAX(message_count, excluded.message_count),
+                   n_calls = n_calls + 1,
+                   prompt_tokens = prompt_tokens + excluded.prompt_tokens,
+                   completion_tokens = completion_tokens + excluded.completion_tokens,
+                   latency_ms = latency_ms + excluded.latency_ms,
+                   updated_at = excluded.updated_at""",
+            trajectories,
+        )
+        await db.executemany(
+            """INSERT INTO model_calls(id, trajectory_id, seq, created_at, backend, model, adapter, stream,
+                   request_messages, tools_hash, params, response, response_messages, status, error,
+                   prompt_tokens, completion_tokens, latency_ms, ttft_ms, prompt_token_ids,
+                   completion_token_ids, completion_logprobs)
+               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+            calls,
+        )
+        if self.commit_delay:
+            await asyncio.sleep(self.commit_delay)
+        await db.commit()
+        return list(blobs)
+
+    # -- reading -----------------------------------------------------------------------------------
+
+    async def list_trajectories(self, *, tenant: str | None = None, all_tenants: bool = False,
+                                limit: int = 50, before: str | None = None) -> list[dict[str, Any]]:
+        assert self._reader is not None
+        where, args = [], []
+        if not all_tenants:
+            where.append("tenant IS ?")
+            args.append(tenant)
+        if before:
+            where.append("id < ?")
+            args.append(before)
+        sql = "SELECT * FROM trajectories" + (" WHERE " + " AND ".join(where) if where else "")
+        sql += " ORDER BY id DESC LIMIT ?"
+        async with self._reader.execute(sql, (*args, limit)) as cur:
+            return [_trajectory_row(r) for r in await cur.fetchall()]
+
+    async def get_trajectory(self, trajectory_id: str, *, tenant: str | None = None,
+                             all_tenants: bool = False) -> dict[str, Any] | None:
+        """A trajectory with its calls, message bodies resolved from the blob table."""
+        assert self._reader is not None
+        async with self._reader.execute("SELECT * FROM trajectories WHERE id = ?", (trajectory_id,)) as cur:
+            row = await cur.fetchone()
+        if row is None or (not all_tenants and row["tenant"] != tenant):
+            return None
+        out = _trajectory_row(row)
+        async with self._reader.execute(
+                "SELECT * FROM model_calls WHERE trajectory_id = ? ORDER BY seq, created_at",
+                (trajectory_id,)) as cur:
+            call_rows = await cur.fetchall()
+        keys: set[str] = set()
+        for c in call_rows:
+            keys.update(orjson.loads(c["request_messages"]))
+            keys.update(orjson.loads(c["response_messages"] or "[]"))
+            if c["tools_hash"]:
+                keys.add(c["tools_hash"])
+        bodies = await self._blobs(keys)
+        calls = []
+        for c in call_rows:
+            response = orjson.loads(c["response"]) if c["response"] else None
+            response_keys = orjson.loads(c["response_messages"] or "[]")
+            if response is not None:
+                for choice, key in zip(response.get("choices", []), response_keys):
+                    choice["message"] = bodies.get(key)
+            calls.append({
+                "id": c["id"], "seq": c["seq"], "created_at": c["created_at"], "backend": c["backend"],
+                "model": c["model"], "adapter": c["adapter"], "stream": bool(c["stream"]),
+                "status": c["status"], "error": c["error"],
+                "request": {"messages": [bodies.get(k) for k in orjson.loads(c["request_messages"])],
+                            "tools": bodies.get(c["tools_hash"]) if c["tools_hash"] else None,
+                            **orjson.loads(c["params"] or "{}")},
+                "response": response,
+                "prompt_tokens": c["prompt_tokens"], "completion_tokens": c["completion_tokens"],
+                "latency_ms": c["latency_ms"], "ttft_ms": c["ttft_ms"],
+                "prompt_token_ids": unpack(c["prompt_token_ids"]),
+                "completion_token_ids": unpack(c["completion_token_ids"]),
+                "completion_logprobs": unpack(c["completion_logprobs"]),
+            })
+        out["calls"] = calls
+        return out
+
+    async def _blobs(self, keys: Iterable[str]) -> dict[str, Any]:
+        assert self._reader is not None
+        keys = list(keys)
+        out: dict[str, Any] = {}
+        for i in range(0, len(keys), 500):
+            chunk = keys[i:i + 500]
+            marks = ",".join("?" * len(chunk))
+            async with self._reader.execute(f"SELECT hash, body FROM blobs WHERE hash IN ({marks})", chunk) as cur:
+                for h, body in await cur.fetchall():
+                    out[h] = orjson.loads(body)
+        return out
+
+    async def delete(self, *, ids: list[str] | None = None, before: float | None = None) -> int:
+        """Delete trajectories by id or age, then the bodies no remaining call refers to."""
+        async with self._write_lock:
+            return await self._delete(ids, before)
+
+    async def _delete(self, ids: list[str] | None, before: float | None) -> int:
+        assert self._writer is not None
+        db = self._writer
+        if ids is not None:
+            marks = ",".join("?" * len(ids))
+            cur = await db.execute(f"DELETE FROM trajectories WHERE id IN ({marks})", ids)
+        elif before is not None:
+            cur = await db.execute("DELETE FROM trajectories WHERE created_at < ?", (before,))
+        else:
+            raise ValueError("delete needs ids or before")
+        count = cur.rowcount
+        if count:
+            await db.execute(
+                """DELETE FROM blobs WHERE hash NOT IN (
+                       SELECT j.value FROM model_calls, json_each(model_calls.request_messages) AS j
+                       UNION SELECT j.value FROM model_calls, json_each(model_calls.response_messages) AS j
+                       UNION SELECT tools_hash FROM model_calls WHERE tools_hash IS NOT NULL)""")
+        await db.commit()
+        if count:
+            # Caches may name what is gone; they refill from the database on demand.
+            self._known_blobs.clear()
+            self._heads.clear()
+            self._state.clear()
+            self._sessions.clear()
+        return count
+
+    # -- API keys ----------------------------------------------------------------------------------
+
+    async def create_key(self, *, tenant: str, name: str | None, capture: bool, secret_hash: str) -> str:
+        assert self._writer is not None
+        key_id = new_id()
+        async with self._write_lock:
+            await self._writer.execute(
+                "INSERT INTO api_keys(id, hash, tenant, name, capture, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+                (key_id, secret_hash, tenant, name, int(capture), time.time()))
+            await self._writer.commit()
+        return key_id
+
+    async def list_keys(self) -> list[dict[str, Any]]:
+        assert self._reader is not None
+        async with self._reader.execute(
+                "SELECT id, tenant, name, capture, created_at, revoked_at FROM api_keys ORDER BY id") as cur:
+            return [dict(r) for r in await cur.fetchall()]
+
+    async def revoke_key(self, key_id: str) -> bool:
+        assert self._writer is not None
+        async with self._write_lock:
+            cur = await self._writer.execute(
+                "UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (time.time(), key_id))
+            await self._writer.commit()
+        return cur.rowcount > 0
+
+    async def find_key(self, secret_hash: str) -> dict[str, Any] | None:
+        assert self._reader is not None
+        async with self._reader.execute(
+                "SELECT id, tenant, name, capture FROM api_keys WHERE hash = ? AND revoked_at IS NULL",
+                (secret_hash,)) as cur:
+            row = await cur.fetchone()
+        return dict(row) if row else None
+
+    async def count_keys(self) -> int:
+        assert self._reader is not None
+        async with self._reader.execute("SELECT COUNT(*) FROM api_keys WHERE revoked_at IS NULL") as cur:
+            return (await cur.fetchone())[0]
+
+
+def _trajectory_row(row: aiosqlite.Row) -> dict[str, Any]:
+    out = dict(row)
+    out.pop("head_hash", None)
+    out["metadata"] = orjson.loads(out["metadata"]) if out.get("metadata") else None
+    return out

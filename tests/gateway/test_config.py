@@ -1,0 +1,71 @@
+from pathlib import Path
+
+import pytest
+
+from gateway.config import DEFAULT_MODEL_NAME, ConfigError, load_settings
+
+
+def test_no_config_serves_the_embedded_model() -> None:
+    s = load_settings(None, environ={})
+    assert s.server.host == "127.0.0.1" and s.server.port == 8000
+    assert s.store.path == "harness.db"
+    assert [(b.name, b.kind, b.models) for b in s.backends] == [("local", "local", [DEFAULT_MODEL_NAME])]
+
+
+def test_toml_file_and_environment_overrides(tmp_path: Path) -> None:
+    cfg = tmp_path / "h.toml"
+    cfg.write_text("""
+[server]
+port = 8100
+[store]
+path = "x.db"
+[[backends]]
+name = "upstream"
+kind = "openai"
+base_url = "http://127.0.0.1:9000/v1"
+api_key_env = "UPSTREAM_API_KEY"
+models = ["some-model"]
+[bot]
+profile = "support"
+""")
+    env = {"HARNESS_SERVER__PORT": "9000", "HARNESS_STORE__SYNCHRONOUS": "FULL",
+           "HARNESS_BACKENDS__0__READ_TIMEOUT": "3.5", "UPSTREAM_API_KEY": "sekrit", "HARNESS_ADMIN_KEY": "adm"}
+    s = load_settings(cfg, environ=env)
+    assert s.server.port == 9000
+    assert s.store.synchronous == "FULL" and s.store.path == "x.db"
+    assert s.backends[0].read_timeout == 3.5 and s.backends[0].api_key == "sekrit"
+    assert s.server.admin_key == "adm"
+    assert s.bot == {"profile": "support"}
+    # a config serves exactly the backends it lists
+    assert [b.name for b in s.backends] == ["upstream"]
+
+
+def test_config_path_from_environment(tmp_path: Path) -> None:
+    cfg = tmp_path / "h.toml"
+    cfg.write_text("[server]\nport = 8123\n")
+    assert load_settings(None, environ={"HARNESS_CONFIG": str(cfg)}).server.port == 8123
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("[server]\nport = 'x'\n", "server.port"),
+    ("[server]\nbogus = 1\n", "server.bogus"),
+    ("[[backends]]\nname = 'a'\nkind = 'openai'\nmodels = ['m']\n", "needs base_url"),
+    ("[[backends]]\nname = 'a'\nkind = 'carrier-pigeon'\nbase_url='http://x'\nmodels=['m']\n", "backends.0.kind"),
+    ("[server\n", "invalid TOML"),
+])
+def test_bad_config_names_the_problem(tmp_path: Path, text: str, needle: str) -> None:
+    cfg = tmp_path / "h.toml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        load_settings(cfg, environ={})
+
+
+def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_settings(tmp_path / "nope.toml", environ={})
+
+
+def test_example_configs_load() -> None:
+    root = Path(__file__).resolve().parents[2]
+    for path in sorted((root / "deploy").rglob("*.toml")):
+        load_settings(path, environ={})

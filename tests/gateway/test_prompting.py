@@ -1,0 +1,117 @@
+import json
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from gateway.prompting import encode_prompt, render_prompt, template_supports_tools
+
+# SmolLM2-Instruct's template, verbatim: it has no notion of tools.
+SMOL_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# A minimal template that renders tools and calls itself.
+NATIVE_TEMPLATE = (
+    "{% if tools %}TOOLS:{{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}[{{ m.role }}]{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}CALL:{{ c.function.name }}:{{ c.function.arguments | tojson }}{% endfor %}"
+    "\n{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+)
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def _tokenizer(template: str) -> PreTrainedTokenizerFast:
+    words = ["[UNK]", "<|im_start|>", "<|im_end|>", "system", "user", "assistant", "hi", "there"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", bos_token="<|im_start|>",
+                                  eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    tok.chat_template = template
+    return tok
+
+
+@pytest.fixture
+def smol() -> PreTrainedTokenizerFast:
+    return _tokenizer(SMOL_TEMPLATE)
+
+
+def test_plain_conversation_matches_the_template(smol: PreTrainedTokenizerFast) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    assert render_prompt(smol, messages) == smol.apply_chat_template(messages, tokenize=False,
+                                                                     add_generation_prompt=True)
+
+
+def test_tool_support_is_detected_from_the_template(smol: PreTrainedTokenizerFast) -> None:
+    assert not template_supports_tools(smol)
+    assert template_supports_tools(_tokenizer(NATIVE_TEMPLATE))
+
+
+def test_tools_go_into_a_new_system_prompt_when_the_template_ignores_them(smol) -> None:
+    text = render_prompt(smol, [{"role": "user", "content": "hi"}], TOOLS)
+    system = text.split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\n# Tools")
+    assert "<tools>\n" + json.dumps(TOOLS[0]) + "\n</tools>" in system
+    assert "<tool_call>" in system and "SmolLM" not in text
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_tools_are_appended_to_an_existing_system_prompt(smol) -> None:
+    text = render_prompt(smol, [{"role": "developer", "content": "Be brief."},
+                                {"role": "user", "content": "hi"}], TOOLS)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
+    assert text.count("<|im_start|>system") == 1
+
+
+def test_calls_and_results_render_as_hermes_text(smol) -> None:
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "weather?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "rain"}]},
+    ]
+    text = render_prompt(smol, messages, TOOLS)
+    assert ("<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n"
+            "</tool_call>\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}\n"
+            "</tool_call><|im_end|>") in text
+    # Both results share one user turn.
+    assert ("<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n"
+            "<tool_response>\nrain\n</tool_response><|im_end|>\n<|im_start|>assistant\n") in text
+    assert "<|im_start|>tool" not in text
+
+
+def test_assistant_prose_before_calls_is_kept(smol) -> None:
+    text = render_prompt(smol, [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+    ], add_generation_prompt=False)
+    assert "<|im_start|>assistant\nChecking.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>" in text
+    assert not text.endswith("<|im_start|>assistant\n")
+
+
+def test_native_templates_receive_the_tools_and_parsed_arguments() -> None:
+    native = _tokenizer(NATIVE_TEMPLATE)
+    text = render_prompt(native, [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+    ], TOOLS)
+    assert text.startswith("TOOLS:") and "get_weather" in text
+    assert 'CALL:f:{"a": 1}' in text  # arguments reach the template as an object, not a string
+    assert "[assistant]CALL" in text and "None" not in text  # None content became an empty string
+
+
+def test_encode_prompt_adds_no_special_tokens_of_its_own(smol) -> None:
+    messages = [{"role": "system", "content": "hi"}, {"role": "user", "content": "there"}]
+    ids = encode_prompt(smol, messages)
+    assert ids == smol(render_prompt(smol, messages), add_special_tokens=False)["input_ids"]
+    assert ids[0] == smol.convert_tokens_to_ids("<|im_start|>") and ids[1] != ids[0]

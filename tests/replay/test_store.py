@@ -1,0 +1,148 @@
+import asyncio
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from replay import hashing
+from replay.schema import SCHEMA_VERSION, migrate
+from replay.store import CallRecord, TrajectoryStore
+
+SYSTEM = {"role": "system", "content": "You are terse."}
+
+
+async def _open(path: Path, **kw) -> TrajectoryStore:
+    store = TrajectoryStore(str(path), **kw)
+    await store.start()
+    return store
+
+
+def _answer(text: str) -> dict:
+    return {"id": "x", "object": "chat.completion", "model": "m",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+
+async def _call(store: TrajectoryStore, messages: list[dict], answer: str, *, session: str | None = None,
+                tenant: str | None = None) -> str:
+    prefix = hashing.prefix_hashes(messages)
+    ref = await store.resolve(session_key=session, prefix=prefix, anchor=prefix[hashing.anchor_index(messages)],
+                              tenant=tenant)
+    await store.record(CallRecord(trajectory=ref, request_messages=messages, request_prefix=prefix, status="ok",
+                                  tenant=tenant, response=_answer(answer), prompt_tokens=1, completion_tokens=1,
+                                  prompt_token_ids=[1, 2, 3], completion_token_ids=[[4, 5]]))
+    return ref.id
+
+
+async def test_resent_history_extends_and_edit_forks(tmp_path: Path) -> None:
+    store = await _open(tmp_path / "h.db")
+    history = [SYSTEM, {"role": "user", "content": "hi"}]
+    t1 = await _call(store, history, "hello")
+    history += [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "how are you"}]
+    t2 = await _call(store, history, "fine")
+    assert t2 == t1
+    edited = [SYSTEM, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+              {"role": "user", "content": "something else"}]
+    t3 = await _call(store, edited, "ok")
+    # `something else` extends the first call's conversation too, but the trajectory has moved on: fork.
+    assert t3 != t1
+    row = await store.get_trajectory(t3, all_tenants=True)
+    assert row["parent_id"] == t1
+    whole = await store.get_trajectory(t1, all_tenants=True)
+    assert whole["n_calls"] == 2 and whole["status"] == "completed"
+    assert [c["seq"] for c in whole["calls"]] == [0, 1]
+    assert whole["calls"][1]["request"]["messages"] == history
+    assert whole["calls"][1]["response"]["choices"][0]["message"] == {"role": "assistant", "content": "fine"}
+    assert whole["calls"][0]["prompt_token_ids"] == [1, 2, 3]
+    assert whole["calls"][0]["completion_token_ids"] == [[4, 5]]
+    await store.close()
+
+
+async def test_stitching_survives_a_restart(tmp_path: Path) -> None:
+    store = await _open(tmp_path / "h.db")
+    history = [SYSTEM, {"role": "user", "content": "hi"}]
+    t1 = await _call(store, history, "hello")
+    await store.close()
+    store = await _open(tmp_path / "h.db")
+    t2 = await _call(store, history + [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}],
+                     "sure")
+    assert t2 == t1
+    await store.close()
+
+
+async def test_session_key_wins_and_forks_on_divergence(tmp_path: Path) -> None:
+    store = await _open(tmp_path / "h.db")
+    a = await _call(store, [{"role": "user", "content": "one"}], "1", session="s1")
+    b = await _call(store, [{"role": "user", "content": "one"}, {"role": "assistant", "content": "1"},
+                            {"role": "user", "content": "two"}], "2", session="s1")
+    assert a == b
+    # A compaction rewrote the history: same session, new trajectory that records its parent.
+    c = await _call(store, [{"role": "user", "content": "summary of one and two"}], "ok", session="s1")
+    assert c != a
+    assert (await store.get_trajectory(c, all_tenants=True))["parent_id"] == a
+    # Tenants never share trajectories.
+    d = await _call(store, [{"role": "user", "content": "one"}], "1", session="s1", tenant="other")
+    assert d not in (a, c)
+    await store.close()
+
+
+async def test_bodies_are_stored_once(tmp_path: Path) -> None:
+    store = await _open(tmp_path / "h.db")
+    history = [SYSTEM]
+    turns = 30
+    for i in range(turns):
+        history.append({"role": "user", "content": f"question {i} " + "x" * 500})
+        tid = await _call(store, list(history), f"answer {i}")
+        history.append({"role": "assistant", "content": f"answer {i}"})
+    await store.close()
+    db = sqlite3.connect(tmp_path / "h.db")
+    blobs, size = db.execute("SELECT COUNT(*), SUM(LENGTH(body)) FROM blobs").fetchone()
+    # system + one user and one assistant message per turn: linear, not quadratic, in the turns
+    assert blobs == 1 + 2 * turns
+    assert size < 2 * turns * 600
+    assert db.execute("SELECT COUNT(DISTINCT trajectory_id) FROM model_calls").fetchone()[0] == 1
+    assert db.execute("SELECT n_calls FROM trajectories WHERE id = ?", (tid,)).fetchone()[0] == turns
+
+
+async def test_group_commit_under_backpressure(tmp_path: Path) -> None:
+    store = await _open(tmp_path / "h.db", max_queue=4, max_batch=8)
+    await asyncio.gather(*[_call(store, [{"role": "user", "content": f"q{i}"}], "a") for i in range(200)])
+    await store.close()
+    db = sqlite3.connect(tmp_path / "h.db")
+    assert db.execute("SELECT COUNT(*) FROM model_calls").fetchone()[0] == 200
+    assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+async def test_delete_by_id_and_age_collects_bodies(tmp_path: Path) -> None:
+    store = await _open(tmp_path / "h.db")
+    old = await _call(store, [{"role": "user", "content": "old"}], "a")
+    new = await _call(store, [{"role": "user", "content": "new"}], "b")
+    assert await store.delete(ids=[old]) == 1
+    assert await store.get_trajectory(old, all_tenants=True) is None
+    assert await store.delete(before=time.time() + 1) == 1
+    assert await store.get_trajectory(new, all_tenants=True) is None
+    await store.close()
+    db = sqlite3.connect(tmp_path / "h.db")
+    assert db.execute("SELECT COUNT(*) FROM blobs").fetchone()[0] == 0
+    assert db.execute("SELECT COUNT(*) FROM model_calls").fetchone()[0] == 0
+
+
+async def test_tenant_scoping(tmp_path: Path) -> None:
+    store = await _open(tmp_path / "h.db")
+    mine = await _call(store, [{"role": "user", "content": "x"}], "a", tenant="acme")
+    assert await store.get_trajectory(mine, tenant="acme") is not None
+    assert await store.get_trajectory(mine, tenant="globex") is None
+    assert [t["id"] for t in await store.list_trajectories(tenant="acme")] == [mine]
+    assert await store.list_trajectories(tenant="globex") == []
+    await store.close()
+
+
+def test_migrations_are_versioned(tmp_path: Path) -> None:
+    db = sqlite3.connect(tmp_path / "h.db")
+    assert migrate(db) == 0
+    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert migrate(db) == SCHEMA_VERSION  # idempotent
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    with pytest.raises(RuntimeError, match="newer"):
+        migrate(db)

@@ -1,0 +1,1 @@
+"""Tool specs and their executors."""

@@ -1,0 +1,1 @@
+"""Replay-train: datasets, LoRA training, evaluation and the adapter registry."""
