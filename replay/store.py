@@ -13,7 +13,7 @@ import sqlite3
 import time
 import zlib
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 import aiosqlite
@@ -94,6 +94,41 @@ class CallRecord:
     completion_token_ids: list[list[int]] | None = None
     completion_logprobs: list[list[float]] | None = None
     created_at: float = field(default_factory=time.time)
+
+
+def split_choices(rec: CallRecord) -> list[CallRecord]:
+    """A call that sampled ``n > 1`` choices becomes a group: one trajectory per choice.
+
+    The first choice continues the request's trajectory; every other choice starts a sibling that
+    shares its history and a ``group_id``, so a client that continues any choice extends its own
+    trajectory, and RL sees the samples of one request as one group.
+    """
+    choices = (rec.response or {}).get("choices") or []
+    if len(choices) < 2:
+        return [rec]
+    ref = rec.trajectory
+    group = ref.group_id or new_id()
+    out = []
+    for i, choice in enumerate(choices):
+        if i == 0:
+            sibling_ref = replace(ref, group_id=group)
+        else:
+            sibling_ref = TrajectoryRef(id=new_id(), seq=0, is_new=True, session_key=ref.session_key,
+                                        parent_id=ref.parent_id if ref.is_new else ref.id, group_id=group)
+        usage = rec.response.get("usage") if i == 0 else None  # type: ignore[union-attr]
+        out.append(replace(
+            rec, trajectory=sibling_ref,
+            response={**rec.response, "choices": [choice], **({"usage": usage} if usage else {})},  # type: ignore[dict-item]
+            completion_tokens=(len(rec.completion_token_ids[i]) if rec.completion_token_ids
+                               else rec.completion_tokens if i == 0 else 0),
+            completion_token_ids=_pick(rec.completion_token_ids, i),
+            completion_logprobs=_pick(rec.completion_logprobs, i),
+        ))
+    return out
+
+
+def _pick(per_choice: list[Any] | None, i: int) -> list[Any] | None:
+    return [per_choice[i]] if per_choice is not None and i < len(per_choice) else None
 
 
 class StoreClosed(RuntimeError):
@@ -302,7 +337,7 @@ class TrajectoryStore:
                 blobs[key] = body
             return key
 
-        for rec in batch:
+        for rec in (one for rec in batch for one in split_choices(rec)):
             request_keys = [put_blob(m) for m in rec.request_messages]
             tools_key = put_blob(rec.tools) if rec.tools else None
             response = rec.response
@@ -343,6 +378,7 @@ class TrajectoryStore:
                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1, ?, ?, ?, ?, ?)
                ON CONFLICT(id) DO UPDATE SET
                    status = excluded.status,
+                   group_id = COALESCE(group_id, excluded.group_id),
                    head_hash = COALESCE(excluded.head_hash, head_hash),
                    message_count = MAX(message_count, excluded.message_count),
                    n_calls = n_calls + 1,

@@ -96,7 +96,7 @@ async def chat_completions(request: Request) -> Response:
     body = await read_json_body(request, gateway.settings.server.max_body_bytes)
     parsed = validate_chat_request(body)
     backend = gateway.backend_for(parsed.model)
-    log_fields.update(model=parsed.model, backend=backend.name, stream=parsed.stream)
+    log_fields.update(model=parsed.model, adapter=None, backend=backend.name, stream=parsed.stream)
 
     messages = body["messages"]
     prefix = hashing.prefix_hashes(messages)

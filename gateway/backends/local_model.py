@@ -95,21 +95,18 @@ def load_model(model_path: str | None = None, cache_dir: str | None = None) -> L
     and cached. Blocking and slow: call it off the event loop.
     """
     started = time.perf_counter()
-    path = Path(model_path).expanduser() if model_path else embedded_model_file()
+    path = _model_location(model_path)
+    source: Literal["gguf", "cache", "folder"]
     if path.is_dir():
         model, tokenizer = _load_folder(path)
-        source: Literal["gguf", "cache", "folder"] = "folder"
-    elif path.is_file() and path.suffix == ".gguf":
-        folder = cache_folder(path, cache_dir)
-        if _cache_matches(folder, path):
-            model, tokenizer = _load_folder(folder)
-            path, source = folder, "cache"
-        else:
-            model, tokenizer = _load_gguf(path)
-            _write_cache(model, tokenizer, folder, path)
-            source = "gguf"
+        source = "folder"
+    elif _cache_matches(folder := cache_folder(path, cache_dir), path):
+        model, tokenizer = _load_folder(folder)
+        path, source = folder, "cache"
     else:
-        raise ModelLoadError(f"model_path {str(path)!r} is neither a .gguf file nor a checkpoint folder")
+        model, tokenizer = _load_gguf(path)
+        _write_cache(model, tokenizer, folder, path)
+        source = "gguf"
     model.eval()
     elapsed = time.perf_counter() - started
     log.info("local_model.loaded", path=str(path), source=source, seconds=round(elapsed, 2),
@@ -119,13 +116,20 @@ def load_model(model_path: str | None = None, cache_dir: str | None = None) -> L
 
 def load_tokenizer(model_path: str | None = None, cache_dir: str | None = None) -> PreTrainedTokenizerBase:
     """Only the tokenizer of the model ``load_model`` would load (no weights are read)."""
-    path = Path(model_path).expanduser() if model_path else embedded_model_file()
+    path = _model_location(model_path)
     if path.is_dir():
         return AutoTokenizer.from_pretrained(path)
     folder = cache_folder(path, cache_dir)
     if _cache_matches(folder, path):
         return AutoTokenizer.from_pretrained(folder)
     return _gguf_tokenizer(path)
+
+
+def _model_location(model_path: str | None) -> Path:
+    path = Path(model_path).expanduser() if model_path else embedded_model_file()
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+        return path
+    raise ModelLoadError(f"model_path {str(path)!r} is neither a .gguf file nor a checkpoint folder")
 
 
 def _load_folder(folder: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -233,6 +237,9 @@ def _write_cache(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fol
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / _SOURCE_FILE).write_text(json.dumps(_fingerprint(gguf)))
+        if _cache_matches(folder, gguf):  # another process got there first
+            shutil.rmtree(tmp)
+            return
         if folder.exists():  # stale: built from another file
             shutil.rmtree(folder)
         os.rename(tmp, folder)

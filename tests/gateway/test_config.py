@@ -69,3 +69,13 @@ def test_example_configs_load() -> None:
     root = Path(__file__).resolve().parents[2]
     for path in sorted((root / "deploy").rglob("*.toml")):
         load_settings(path, environ={})
+
+
+def test_every_setting_is_documented() -> None:
+    from gateway.config import BackendSettings, ServerSettings, StoreSettings
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    for model in (ServerSettings, StoreSettings, BackendSettings):
+        for name, field in model.model_fields.items():
+            if not field.exclude:
+                assert f"| `{name}` |" in doc, f"{model.__name__}.{name} is missing from docs/configuration.md"

@@ -146,3 +146,27 @@ def test_migrations_are_versioned(tmp_path: Path) -> None:
     db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
     with pytest.raises(RuntimeError, match="newer"):
         migrate(db)
+
+
+async def test_n_choices_form_a_group_of_trajectories(tmp_path: Path) -> None:
+    store = await _open(tmp_path / "h.db")
+    messages = [{"role": "user", "content": "pick a number"}]
+    prefix = hashing.prefix_hashes(messages)
+    ref = await store.resolve(session_key=None, prefix=prefix, anchor=prefix[0], tenant=None)
+    response = _answer("1")
+    response["choices"] = [{"index": i, "message": {"role": "assistant", "content": str(i)}, "finish_reason": "stop"}
+                           for i in range(3)]
+    await store.record(CallRecord(trajectory=ref, request_messages=messages, request_prefix=prefix, status="ok",
+                                  response=response, completion_token_ids=[[1], [2, 2], [3, 3, 3]]))
+    rows = await store.list_trajectories(all_tenants=True)
+    assert len(rows) == 3
+    assert len({r["group_id"] for r in rows}) == 1 and rows[0]["group_id"]
+    assert sorted(r["completion_tokens"] for r in rows) == [1, 2, 3]
+    # continuing the third sample extends its own trajectory
+    follow = messages + [{"role": "assistant", "content": "2"}, {"role": "user", "content": "why?"}]
+    tid = await _call(store, follow, "because")
+    third = await store.get_trajectory(tid, all_tenants=True)
+    assert third["n_calls"] == 2 and third["group_id"] == rows[0]["group_id"]
+    assert third["calls"][0]["completion_token_ids"] == [[3, 3, 3]]
+    assert tid != ref.id
+    await store.close()

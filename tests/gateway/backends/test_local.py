@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,7 +15,13 @@ from transformers import PreTrainedTokenizerBase
 
 from gateway.backends.base import BackendError, BackendUnavailable, ChatRequest, ChatResult
 from gateway.backends.local import LocalBackend, _TextTracker
-from gateway.backends.local_model import embedded_model_file, load_model
+from gateway.backends.local_model import (
+    ModelLoadError,
+    _fingerprint,
+    cache_folder,
+    embedded_model_file,
+    load_model,
+)
 from gateway.config import BackendSettings
 from gateway.prompting import encode_prompt
 
@@ -381,3 +388,27 @@ def test_first_load_writes_the_cache_and_the_next_load_uses_it(tmp_path: Path) -
     for name, tensor in first.model.state_dict().items():
         assert tensor.equal(second.model.state_dict()[name]), name
     assert second.tokenizer.eos_token == "<|im_end|>"
+
+
+def test_a_gguf_is_served_from_a_matching_cache_and_never_from_a_stale_one(tmp_path: Path,
+                                                                           tiny_model_dir: Path) -> None:
+    gguf = tmp_path / "Tiny.Q4.gguf"
+    gguf.write_bytes(b"GGUF not really")
+    folder = cache_folder(gguf, tmp_path / "cache")
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "source.json").write_text(json.dumps(_fingerprint(gguf)))
+    loaded = load_model(str(gguf), str(tmp_path / "cache"))
+    assert loaded.source == "cache" and loaded.path == folder
+
+    gguf.write_bytes(b"GGUF changed since")  # the cache no longer describes this file
+    with pytest.raises(ModelLoadError):
+        load_model(str(gguf), str(tmp_path / "cache"))
+
+
+async def test_a_missing_model_fails_start_with_503(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError):
+        load_model(str(tmp_path / "nowhere"))
+    b = LocalBackend(BackendSettings(name="local", kind="local", model_path=str(tmp_path)))  # empty folder
+    with pytest.raises(BackendUnavailable) as info:
+        await b.start()
+    assert info.value.status_code == 503

@@ -1,0 +1,40 @@
+"""The Gateway object in-process: start-up, retention, shut-down."""
+
+import asyncio
+import time
+from pathlib import Path
+
+from gateway.app import Gateway
+from gateway.config import load_settings
+from replay import hashing
+from replay.store import CallRecord
+
+
+async def test_retention_sweeps_old_trajectories_at_start(tmp_path: Path) -> None:
+    cfg = tmp_path / "h.toml"
+    cfg.write_text(f'[store]\npath = "{tmp_path / "h.db"}"\nretention_days = 1\n'
+                   '[[backends]]\nname = "u"\nkind = "openai"\nbase_url = "http://127.0.0.1:9/v1"\nmodels = ["m"]\n')
+    settings = load_settings(cfg, environ={})
+    gateway = Gateway(settings)
+    await gateway.store.start()
+    for text, age_days in (("ancient", 3), ("fresh", 0)):
+        msgs = [{"role": "user", "content": text}]
+        prefix = hashing.prefix_hashes(msgs)
+        ref = await gateway.store.resolve(session_key=None, prefix=prefix, anchor=prefix[0], tenant=None)
+        await gateway.store.record(CallRecord(trajectory=ref, request_messages=msgs, request_prefix=prefix,
+                                              status="ok", created_at=time.time() - age_days * 86400))
+    await gateway.store.close()
+
+    gateway = Gateway(settings)
+    await gateway.start()
+    try:
+        for _ in range(100):
+            remaining = await gateway.store.list_trajectories(all_tenants=True)
+            if len(remaining) == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert len(remaining) == 1
+        found = await gateway.store.get_trajectory(remaining[0]["id"], all_tenants=True)
+        assert found["calls"][0]["request"]["messages"] == [{"role": "user", "content": "fresh"}]
+    finally:
+        await gateway.stop()

@@ -1,0 +1,111 @@
+"""API keys, tenants, the admin key and the loopback-only open mode, on a real gateway process."""
+
+import re
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.processes import ROOT, GatewayProcess, upstream_config
+
+pytestmark = pytest.mark.integration
+
+MODEL = "stand-in-model"
+ADMIN = "admin-secret-for-tests"
+
+
+def _harness(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gateway.cli", *args, "--config", str(config)],
+                          cwd=config.parent, capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+
+
+def _new_key(config: Path, tenant: str, *extra: str) -> tuple[str, str]:
+    out = _harness(config, "keys", "create", "--tenant", tenant, *extra)
+    assert out.returncode == 0, out.stderr
+    key_id = re.search(r"id:\s+(\S+)", out.stdout).group(1)
+    secret = re.search(r"key:\s+(sk-harness-\S+)", out.stdout).group(1)
+    return key_id, secret
+
+
+@pytest.fixture
+def keyed(standin, tmp_path: Path):
+    gw = GatewayProcess(upstream_config(standin[1]), tmp_path, env={"HARNESS_ADMIN_KEY": ADMIN})
+    keys = {"acme": _new_key(gw.config, "acme"), "globex": _new_key(gw.config, "globex"),
+            "quiet": _new_key(gw.config, "acme", "--no-capture")}
+    gw.start()
+    yield gw, keys
+    gw.stop()
+
+
+def _chat(gw: GatewayProcess, key: str | None, text: str = "hi") -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(gw.url + "/v1/chat/completions", headers=headers,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": text}]})
+
+
+def test_keys_are_required_once_they_exist(keyed) -> None:
+    gw, keys = keyed
+    r = _chat(gw, None)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key"
+    assert _chat(gw, "sk-harness-wrong").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=gw.url + "/v1", api_key="nope", max_retries=0).models.list()
+    assert _chat(gw, keys["acme"][1]).status_code == 200
+    # stored hashed: the secret never appears in the database
+    raw = Path(gw.db).read_bytes() + Path(str(gw.db) + "-wal").read_bytes() if Path(str(gw.db) + "-wal").exists() \
+        else Path(gw.db).read_bytes()
+    assert keys["acme"][1].encode() not in raw
+
+
+def test_tenants_see_only_their_own_trajectories(keyed) -> None:
+    gw, keys = keyed
+    acme = _chat(gw, keys["acme"][1], "acme secret").headers["x-harness-trajectory-id"]
+    globex = _chat(gw, keys["globex"][1], "globex secret").headers["x-harness-trajectory-id"]
+    auth = {"Authorization": f"Bearer {keys['acme'][1]}"}
+    listed = httpx.get(gw.url + "/v1/trajectories", headers=auth).json()["data"]
+    assert [t["id"] for t in listed] == [acme]
+    assert httpx.get(f"{gw.url}/v1/trajectories/{acme}", headers=auth).status_code == 200
+    assert httpx.get(f"{gw.url}/v1/trajectories/{globex}", headers=auth).status_code == 404
+    # the admin key sees all; keys do not reach admin routes
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    everything = httpx.get(gw.url + "/admin/trajectories", headers=admin).json()["data"]
+    assert {acme, globex} <= {t["id"] for t in everything}
+    r = httpx.get(gw.url + "/admin/trajectories", headers=auth)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "admin_key_required"
+    assert httpx.get(f"{gw.url}/admin/trajectories/{globex}", headers=admin).json()["tenant"] == "globex"
+
+
+def test_capture_can_be_switched_off_per_key(keyed) -> None:
+    gw, keys = keyed
+    r = _chat(gw, keys["quiet"][1], "off the record")
+    assert r.status_code == 200 and r.headers["x-harness-trajectory-id"]
+    conn = sqlite3.connect(gw.db)
+    assert conn.execute("SELECT COUNT(*) FROM trajectories WHERE key_id = ?", (keys["quiet"][0],)).fetchone()[0] == 0
+
+
+def test_revoked_key_stops_working(keyed) -> None:
+    gw, keys = keyed
+    assert _chat(gw, keys["globex"][1]).status_code == 200
+    out = _harness(gw.config, "keys", "revoke", keys["globex"][0])
+    assert out.returncode == 0, out.stderr
+    import time
+    deadline = time.monotonic() + 10  # lookups are cached for a few seconds
+    while time.monotonic() < deadline and _chat(gw, keys["globex"][1]).status_code == 200:
+        time.sleep(0.25)
+    assert _chat(gw, keys["globex"][1]).status_code == 401
+    listed = _harness(gw.config, "keys", "list", "--json")
+    assert '"revoked_at":null' in listed.stdout and keys["globex"][0] in listed.stdout
+
+
+def test_open_gateway_refuses_to_bind_beyond_loopback(tmp_path: Path) -> None:
+    config = tmp_path / "h.toml"
+    config.write_text('[store]\npath = "h.db"\n[server]\nhost = "0.0.0.0"\n[[backends]]\nname = "u"\n'
+                      'kind = "openai"\nbase_url = "http://127.0.0.1:9/v1"\nmodels = ["m"]\n')
+    out = _harness(config, "serve")
+    assert out.returncode == 2
+    assert "refusing to bind 0.0.0.0" in out.stderr

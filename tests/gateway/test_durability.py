@@ -1,0 +1,117 @@
+"""A response is never sent before its exchange is committed, and a killed gateway loses nothing it answered."""
+
+import random
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from tests.processes import GatewayProcess, upstream_config
+
+pytestmark = pytest.mark.integration
+
+MODEL = "stand-in-model"
+DELAY_MS = 400
+
+
+def _committed(db: Path, tid: str) -> bool:
+    conn = sqlite3.connect(db)
+    try:
+        return conn.execute("SELECT COUNT(*) FROM model_calls WHERE trajectory_id = ? AND status = 'ok'",
+                            (tid,)).fetchone()[0] > 0
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def slow_writer(standin, tmp_path: Path):
+    gw = GatewayProcess(upstream_config(standin[1], store=f"commit_delay_ms = {DELAY_MS}"), tmp_path).start()
+    yield gw
+    gw.stop()
+
+
+def test_body_waits_for_its_commit(slow_writer: GatewayProcess) -> None:
+    for i in range(3):
+        started = time.monotonic()
+        r = httpx.post(slow_writer.url + "/v1/chat/completions", timeout=30,
+                       json={"model": MODEL, "messages": [{"role": "user", "content": f"durable {i}"}]})
+        assert r.status_code == 200
+        # checked the moment the body is in hand: the record must already be durable
+        assert _committed(slow_writer.db, r.headers["x-harness-trajectory-id"])
+        assert time.monotonic() - started >= DELAY_MS / 1000
+
+
+def test_final_stream_chunk_waits_for_its_commit(slow_writer: GatewayProcess) -> None:
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", slow_writer.url + "/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "stream durably please"}],
+                "stream": True}) as r:
+            tid = r.headers["x-harness-trajectory-id"]
+            early = []
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = orjson.loads(line[6:])
+                if chunk["choices"] and chunk["choices"][0]["finish_reason"]:
+                    assert _committed(slow_writer.db, tid), "final chunk arrived before the commit"
+                    break
+                early.append(_committed(slow_writer.db, tid))
+    # the text itself was streamed as it came, before the commit
+    assert early and not any(early)
+
+
+def test_sigkill_under_load_loses_no_answered_exchange(standin, tmp_path: Path) -> None:
+    gw = GatewayProcess(upstream_config(standin[1]), tmp_path).start()
+    received: list[tuple[str, str]] = []  # (trajectory id, unique text) of exchanges received in full
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def client(worker: int) -> None:
+        n = 0
+        with httpx.Client(timeout=10) as http:
+            while not stop.is_set():
+                n += 1
+                text = f"w{worker}-{n}"
+                body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "stream": n % 2 == 0}
+                try:
+                    if body["stream"]:
+                        with http.stream("POST", gw.url + "/v1/chat/completions", json=body) as r:
+                            lines = list(r.iter_lines())
+                            complete = r.status_code == 200 and "data: [DONE]" in lines
+                    else:
+                        r = http.post(gw.url + "/v1/chat/completions", json=body)
+                        complete = r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == \
+                            f"echo: {text}"
+                except (httpx.HTTPError, ValueError):
+                    time.sleep(0.02)
+                    continue
+                if complete:
+                    with lock:
+                        received.append((r.headers["x-harness-trajectory-id"], text))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(4):
+            time.sleep(random.uniform(0.8, 1.6))
+            gw.kill()
+            gw.start()
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        gw.stop()
+    assert len(received) > 50, "the load never got going"
+    conn = sqlite3.connect(gw.db)
+    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    stored = {tid: bodies for tid, bodies in conn.execute(
+        "SELECT m.trajectory_id, b.body FROM model_calls m, json_each(m.request_messages) j "
+        "JOIN blobs b ON b.hash = j.value WHERE m.status = 'ok'")}
+    missing = [(tid, text) for tid, text in received if tid not in stored or text.encode() not in stored[tid]]
+    assert not missing, f"{len(missing)} of {len(received)} answered exchanges were lost: {missing[:5]}"
