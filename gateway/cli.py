@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import sys
-from datetime import datetime, timezone
-from typing import Any, Awaitable, Callable, Optional, TypeVar
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any, TypeVar
 
 import orjson
 import typer
@@ -30,7 +31,7 @@ console = Console()
 ConfigOption = typer.Option(None, "--config", "-c", help="TOML config file (default: $HARNESS_CONFIG).")
 
 
-def _settings(config: Optional[str]) -> Settings:
+def _settings(config: str | None) -> Settings:
     try:
         return load_settings(config)
     except ConfigError as exc:
@@ -60,9 +61,9 @@ def is_loopback(host: str) -> bool:
 
 
 @app.command()
-def serve(config: Optional[str] = ConfigOption,
-          host: Optional[str] = typer.Option(None, help="Override [server] host."),
-          port: Optional[int] = typer.Option(None, help="Override [server] port.")) -> None:
+def serve(config: str | None = ConfigOption,
+          host: str | None = typer.Option(None, help="Override [server] host."),
+          port: int | None = typer.Option(None, help="Override [server] port.")) -> None:
     """Start the gateway."""
     import uvicorn
 
@@ -89,9 +90,9 @@ def serve(config: Optional[str] = ConfigOption,
 
 @keys_app.command("create")
 def keys_create(tenant: str = typer.Option(..., help="Tenant this key belongs to."),
-                name: Optional[str] = typer.Option(None, help="A label for people."),
+                name: str | None = typer.Option(None, help="A label for people."),
                 capture: bool = typer.Option(True, "--capture/--no-capture", help="Record this key's traffic."),
-                config: Optional[str] = ConfigOption) -> None:
+                config: str | None = ConfigOption) -> None:
     """Create a key; the secret is printed once and stored only as a hash."""
     settings = _settings(config)
     secret = new_secret()
@@ -101,7 +102,7 @@ def keys_create(tenant: str = typer.Option(..., help="Tenant this key belongs to
 
 
 @keys_app.command("list")
-def keys_list(config: Optional[str] = ConfigOption,
+def keys_list(config: str | None = ConfigOption,
               as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """List keys (never their secrets)."""
     rows = _with_store(_settings(config), lambda s: s.list_keys())
@@ -116,7 +117,7 @@ def keys_list(config: Optional[str] = ConfigOption,
 
 
 @keys_app.command("revoke")
-def keys_revoke(key_id: str, config: Optional[str] = ConfigOption) -> None:
+def keys_revoke(key_id: str, config: str | None = ConfigOption) -> None:
     """Revoke a key by id."""
     if not _with_store(_settings(config), lambda s: s.revoke_key(key_id)):
         typer.echo(f"error: no active key with id {key_id}", err=True)
@@ -125,13 +126,13 @@ def keys_revoke(key_id: str, config: Optional[str] = ConfigOption) -> None:
 
 
 def _time(ts: float | None) -> str:
-    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if ts else ""
+    return datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%d %H:%M:%S") if ts else ""
 
 
 @traj_app.command("list")
-def trajectories_list(config: Optional[str] = ConfigOption,
+def trajectories_list(config: str | None = ConfigOption,
                       limit: int = typer.Option(20, min=1, max=10_000),
-                      tenant: Optional[str] = typer.Option(None, help="Only this tenant's."),
+                      tenant: str | None = typer.Option(None, help="Only this tenant's."),
                       as_json: bool = typer.Option(False, "--json")) -> None:
     """The newest trajectories first."""
     rows = _with_store(_settings(config), lambda s: s.list_trajectories(
@@ -148,7 +149,7 @@ def trajectories_list(config: Optional[str] = ConfigOption,
 
 
 @traj_app.command("show")
-def trajectories_show(trajectory_id: str, config: Optional[str] = ConfigOption,
+def trajectories_show(trajectory_id: str, config: str | None = ConfigOption,
                       as_json: bool = typer.Option(False, "--json")) -> None:
     """One trajectory as a readable timeline (or its full record with --json)."""
     found = _with_store(_settings(config), lambda s: s.get_trajectory(trajectory_id, all_tenants=True))
@@ -193,10 +194,10 @@ def _print_message(m: dict[str, Any], suffix: str = "") -> None:
 
 
 @traj_app.command("delete")
-def trajectories_delete(trajectory_id: Optional[str] = typer.Argument(None),
-                        before: Optional[str] = typer.Option(None, help="Delete all created before this date "
+def trajectories_delete(trajectory_id: str | None = typer.Argument(None),
+                        before: str | None = typer.Option(None, help="Delete all created before this date "
                                                              "(ISO 8601, e.g. 2026-01-31)."),
-                        config: Optional[str] = ConfigOption) -> None:
+                        config: str | None = ConfigOption) -> None:
     """Delete one trajectory, or all older than a date."""
     if (trajectory_id is None) == (before is None):
         typer.echo("error: give a trajectory id or --before DATE (not both)", err=True)
@@ -209,7 +210,7 @@ def trajectories_delete(trajectory_id: Optional[str] = typer.Argument(None),
             typer.echo(f"error: --before {before!r} is not an ISO 8601 date", err=True)
             raise typer.Exit(2) from None
         if when.tzinfo is None:
-            when = when.replace(tzinfo=timezone.utc)
+            when = when.replace(tzinfo=UTC)
         count = _with_store(settings, lambda s: s.delete(before=when.timestamp()))
     else:
         count = _with_store(settings, lambda s: s.delete(ids=[trajectory_id]))  # type: ignore[list-item]

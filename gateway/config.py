@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import os
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -59,7 +60,8 @@ class BackendSettings(_Section):
     max_retries: int = Field(2, ge=0, description="Retries on connection errors, 429 and 5xx.")
     max_connections: int = Field(256, gt=0)
     # local kind
-    model_path: str | None = Field(None, description="local: a GGUF file or a cached folder; default the embedded model.")
+    model_path: str | None = Field(
+        None, description="local: a GGUF file or a cached folder; default the embedded model.")
     cache_dir: str | None = Field(None, description="local: where dequantized weights are cached.")
     max_batch_size: int = Field(8, gt=0, description="local: most sequences in one forward pass.")
     batch_wait_ms: float = Field(5.0, ge=0, description="local: how long to gather a batch.")
@@ -67,7 +69,7 @@ class BackendSettings(_Section):
     api_key: str | None = Field(None, exclude=True)
 
     @model_validator(mode="after")
-    def _check_kind(self) -> "BackendSettings":
+    def _check_kind(self) -> BackendSettings:
         if self.kind != "local" and not self.base_url:
             raise ValueError(f"backend {self.name!r} of kind {self.kind!r} needs base_url")
         if self.kind == "local" and not self.models:
@@ -90,7 +92,7 @@ class Settings(_Section):
     bot: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
-    def _default_backend(self) -> "Settings":
+    def _default_backend(self) -> Settings:
         if not self.backends:
             self.backends = [BackendSettings(name="local", kind="local")]
         names = [b.name for b in self.backends]

@@ -7,7 +7,7 @@ cancelled so the upstream request stops at once instead of running to completion
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from starlette.types import Receive, Scope, Send
 

@@ -8,7 +8,8 @@ null versus absent, reformatted tool-call arguments, extra null fields) still ex
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import orjson
 

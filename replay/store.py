@@ -13,8 +13,9 @@ import sqlite3
 import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable
+from typing import Any
 
 import aiosqlite
 import orjson
@@ -337,7 +338,7 @@ class TrajectoryStore:
                 blobs[key] = body
             return key
 
-        for rec in (one for rec in batch for one in split_choices(rec)):
+        for rec in (one for call in batch for one in split_choices(call)):
             request_keys = [put_blob(m) for m in rec.request_messages]
             tools_key = put_blob(rec.tools) if rec.tools else None
             response = rec.response
@@ -443,7 +444,7 @@ class TrajectoryStore:
             response = orjson.loads(c["response"]) if c["response"] else None
             response_keys = orjson.loads(c["response_messages"] or "[]")
             if response is not None:
-                for choice, key in zip(response.get("choices", []), response_keys):
+                for choice, key in zip(response.get("choices", []), response_keys, strict=False):
                     choice["message"] = bodies.get(key)
             calls.append({
                 "id": c["id"], "seq": c["seq"], "created_at": c["created_at"], "backend": c["backend"],

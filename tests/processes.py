@@ -36,7 +36,7 @@ class GatewayProcess:
     def db(self) -> Path:
         return self.workdir / "harness.db"
 
-    def start(self, timeout: float = 120.0) -> "GatewayProcess":
+    def start(self, timeout: float = 120.0) -> GatewayProcess:
         log = open(self.log, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(self.config)],
                                      cwd=self.workdir, env=self.env, stdout=log, stderr=subprocess.STDOUT)

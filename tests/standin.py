@@ -124,7 +124,7 @@ class ServerThread:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         self.thread.start()
         deadline = time.monotonic() + 10
         while not self.server.started:

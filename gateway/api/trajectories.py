@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response
-
-import orjson
 
 from gateway.errors import APIError
 

@@ -301,7 +301,7 @@ class _Engine:
         self._cache = DynamicCache(ddp_cache_data=[
             (torch.cat([_left_pad(k0, width - old_len, 2), _left_pad(k1, width - new_len, 2)]),
              torch.cat([_left_pad(v0, width - old_len, 2), _left_pad(v1, width - new_len, 2)]))
-            for (k0, v0), (k1, v1) in zip(self._cache.to_legacy_cache(), cache.to_legacy_cache())
+            for (k0, v0), (k1, v1) in zip(self._cache.to_legacy_cache(), cache.to_legacy_cache(), strict=True)
         ], config=self.model.config)
         self._mask = torch.cat([_left_pad(self._mask, width - old_len, 1), _left_pad(mask, width - new_len, 1)])
         self._logits = torch.cat([self._logits, logits])

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import orjson
@@ -137,7 +138,7 @@ class OpenAICompatBackend:
             raise BadGateway(f"backend {self.name!r} returned JSON without 'choices'")
         return ChatResult(response=data)
 
-    async def stream(self, request: ChatRequest) -> "UpstreamStream":
+    async def stream(self, request: ChatRequest) -> UpstreamStream:
         response = await self._send(self._body(request, stream=True), stream=True)
         return UpstreamStream(response, self.name)
 

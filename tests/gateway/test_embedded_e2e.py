@@ -2,7 +2,6 @@
 
 import asyncio
 import sqlite3
-from pathlib import Path
 
 import openai
 import pytest

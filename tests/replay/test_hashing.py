@@ -12,7 +12,8 @@ def test_canonical_form_ignores_cosmetic_differences() -> None:
 
 
 def test_different_content_differs() -> None:
-    assert hashing.stitch_hash({"role": "user", "content": "a"}) != hashing.stitch_hash({"role": "user", "content": "b"})
+    a, b = {"role": "user", "content": "a"}, {"role": "user", "content": "b"}
+    assert hashing.stitch_hash(a) != hashing.stitch_hash(b)
     assert hashing.stitch_hash({"role": "user", "content": "a"}) != hashing.stitch_hash(
         {"role": "assistant", "content": "a"})
 
