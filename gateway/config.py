@@ -5,13 +5,14 @@ This is the only module that reads the environment. Everything else receives a `
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 ENV_PREFIX = "HARNESS_"
@@ -79,14 +80,45 @@ class BackendSettings(_Section):
         return self
 
 
+class ToolsSettings(_Section):
+    workspace: str = Field("workspace", description="Folder write_file writes into (created when missing).")
+    write_requires_approval: bool = Field(True, description="write_file waits for approval before running.")
+    write_max_bytes: int = Field(1_000_000, gt=0, description="Largest file write_file writes.")
+    sql_database: str | None = Field(None, description="SQLite file sql_query reads; none disables it.")
+    sql_timeout: float = Field(5.0, gt=0, description="Seconds one query may run.")
+    sql_max_rows: int = Field(200, gt=0, description="Most rows one query returns.")
+    allow_hosts: list[str] = Field(
+        default_factory=list, description="Host names network tools may reach even at private addresses.")
+    allow_networks: list[str] = Field(
+        default_factory=list, description="CIDR ranges network tools may reach even when private.")
+    http_timeout: float = Field(20.0, gt=0, description="Seconds one http_get call may take.")
+    http_max_redirects: int = Field(5, ge=0, description="Most redirects http_get follows.")
+    http_max_bytes: int = Field(2_000_000, gt=0, description="Most bytes read from one response.")
+    user_agent: str = Field("agent-harness-tools/0.1", description="User-Agent of network tools.")
+    browser_executable: str = Field("/usr/bin/chromium", description="Chromium binary browse drives.")
+    browser_timeout: float = Field(30.0, gt=0, description="Seconds one browse call may take.")
+    browser_max_pages: int = Field(4, gt=0, description="Most pages open at once.")
+    output_cap: int = Field(20_000, gt=0, description="Most characters of a built-in tool's result.")
+
+    @field_validator("allow_networks")
+    @classmethod
+    def _check_networks(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError as exc:
+                raise ValueError(str(exc)) from None
+        return value
+
+
 class Settings(_Section):
     server: ServerSettings = Field(default_factory=ServerSettings)
     store: StoreSettings = Field(default_factory=StoreSettings)
     backends: list[BackendSettings] = Field(default_factory=list)
+    tools: ToolsSettings = Field(default_factory=ToolsSettings)
     # Reserved for later work; accepted as free-form tables so configs stay forward compatible.
     profiles: list[dict[str, Any]] = Field(default_factory=list)
     routing: dict[str, Any] = Field(default_factory=dict)
-    tools: dict[str, Any] = Field(default_factory=dict)
     rewards: dict[str, Any] = Field(default_factory=dict)
     training: dict[str, Any] = Field(default_factory=dict)
     bot: dict[str, Any] = Field(default_factory=dict)

@@ -80,6 +80,49 @@ MIGRATIONS: list[str] = [
         revoked_at REAL
     );
     """,
+    # 2: the agent loop's tool calls, state-machine events and resumable run state.
+    """
+    CREATE TABLE tool_calls (
+        id TEXT PRIMARY KEY,
+        trajectory_id TEXT NOT NULL REFERENCES trajectories(id) ON DELETE CASCADE,
+        step INTEGER NOT NULL,
+        call_id TEXT,
+        name TEXT,
+        raw_arguments TEXT,
+        parsed INTEGER NOT NULL,
+        repaired INTEGER NOT NULL,
+        valid INTEGER NOT NULL,
+        validation_error TEXT,
+        status TEXT NOT NULL,
+        result TEXT,
+        duration_ms REAL,
+        created_at REAL NOT NULL
+    );
+    CREATE INDEX tool_calls_trajectory ON tool_calls(trajectory_id, step);
+
+    CREATE TABLE events (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        trajectory_id TEXT NOT NULL REFERENCES trajectories(id) ON DELETE CASCADE,
+        step INTEGER NOT NULL,
+        state TEXT NOT NULL,
+        data TEXT,
+        created_at REAL NOT NULL
+    );
+    CREATE INDEX events_trajectory ON events(trajectory_id, id);
+
+    CREATE TABLE agent_runs (
+        id TEXT PRIMARY KEY REFERENCES trajectories(id) ON DELETE CASCADE,
+        profile TEXT NOT NULL,
+        status TEXT NOT NULL,
+        termination_reason TEXT,
+        steps INTEGER NOT NULL DEFAULT 0,
+        state TEXT,
+        result TEXT,
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL
+    );
+    CREATE INDEX agent_runs_status ON agent_runs(status);
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)

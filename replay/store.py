@@ -132,6 +132,17 @@ def _pick(per_choice: list[Any] | None, i: int) -> list[Any] | None:
     return [per_choice[i]] if per_choice is not None and i < len(per_choice) else None
 
 
+@dataclass
+class WriteOp:
+    """What one caller commits at once: model calls, then plain statements (events, run state).
+
+    Statements run after every call of their batch, so they may refer to the trajectories those calls create.
+    """
+
+    records: list[CallRecord] = field(default_factory=list)
+    statements: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
+
+
 class StoreClosed(RuntimeError):
     pass
 
@@ -144,7 +155,7 @@ class TrajectoryStore:
         self.synchronous = synchronous
         self.max_batch = max_batch
         self.commit_delay = commit_delay_ms / 1000
-        self._queue: asyncio.Queue[tuple[CallRecord, asyncio.Future[None]]] = asyncio.Queue(max_queue)
+        self._queue: asyncio.Queue[tuple[WriteOp, asyncio.Future[None]]] = asyncio.Queue(max_queue)
         self._writer: aiosqlite.Connection | None = None
         self._reader: aiosqlite.Connection | None = None
         self._task: asyncio.Task[None] | None = None
@@ -289,10 +300,14 @@ class TrajectoryStore:
 
     async def record(self, rec: CallRecord) -> None:
         """Queue a call for the next commit and wait until it is durable."""
+        await self.write(WriteOp(records=[rec]))
+
+    async def write(self, op: WriteOp) -> None:
+        """Queue calls and statements to commit together, and wait until they are durable."""
         if self._closing or self._task is None:
             raise StoreClosed("the store is closed")
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        await self._queue.put((rec, fut))
+        await self._queue.put((op, fut))
         await fut
 
     async def _write_loop(self) -> None:
@@ -304,7 +319,7 @@ class TrajectoryStore:
             started = time.perf_counter()
             try:
                 async with self._write_lock:
-                    new_blobs = await self._write_batch([rec for rec, _ in batch])
+                    new_blobs = await self._write_batch([op for op, _ in batch])
                 for key in new_blobs:
                     self._known_blobs.put(key, True)
                 for _, fut in batch:
@@ -325,7 +340,7 @@ class TrajectoryStore:
             if self._on_commit is not None:
                 self._on_commit(len(batch), time.perf_counter() - started)
 
-    async def _write_batch(self, batch: list[CallRecord]) -> list[str]:
+    async def _write_batch(self, batch: list[WriteOp]) -> list[str]:
         assert self._writer is not None
         blobs: dict[str, bytes] = {}
         trajectories = []
@@ -338,7 +353,7 @@ class TrajectoryStore:
                 blobs[key] = body
             return key
 
-        for rec in (one for call in batch for one in split_choices(call)):
+        for rec in (one for op in batch for call in op.records for one in split_choices(call)):
             request_keys = [put_blob(m) for m in rec.request_messages]
             tools_key = put_blob(rec.tools) if rec.tools else None
             response = rec.response
@@ -397,6 +412,9 @@ class TrajectoryStore:
                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
             calls,
         )
+        for op in batch:
+            for sql, args in op.statements:
+                await db.execute(sql, args)
         if self.commit_delay:
             await asyncio.sleep(self.commit_delay)
         await db.commit()

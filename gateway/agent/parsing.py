@@ -1,4 +1,5 @@
-"""Tool calls out of model text: Hermes ``<tool_call>{...}</tool_call>`` blocks → OpenAI ``tool_calls``.
+"""Tool calls out of model output: native ``tool_calls``, Hermes ``<tool_call>{...}</tool_call>`` blocks and
+fenced JSON (```json {"name": ..., "arguments": ...}```) → OpenAI ``tool_calls``.
 
 Pure functions, no I/O. Small JSON faults are repaired with ``json_repair`` and flagged; text that
 holds no usable call stays content — a call is never invented.
@@ -7,6 +8,7 @@ holds no usable call stays content — a call is never invented.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -68,6 +70,46 @@ def parse_tool_calls(text: str) -> ParsedOutput:
     content.append(text[pos:])
     joined = "".join(content)
     return ParsedOutput(content=joined if joined.strip() else None, calls=calls, invalid=invalid)
+
+
+_FENCE = re.compile(r"```(?:json|tool_call|tool)?[ \t]*\n(.*?)```", re.S)
+
+
+def parse_text(text: str) -> ParsedOutput:
+    """Hermes blocks first; failing those, fenced JSON blocks that hold a call (several allowed)."""
+    parsed = parse_tool_calls(text)
+    if parsed.calls:
+        return parsed
+    content: list[str] = []
+    calls: list[ParsedCall] = []
+    pos = 0
+    for match in _FENCE.finditer(text):
+        found = _calls_in_block(match.group(1))
+        if not found:
+            continue
+        content.append(text[pos:match.start()])
+        calls.extend(found)
+        pos = match.end()
+    if not calls:
+        return parsed
+    content.append(text[pos:])
+    joined = "".join(content)
+    return ParsedOutput(content=joined if joined.strip() else None, calls=calls, invalid=parsed.invalid)
+
+
+def parse_message(message: dict[str, Any]) -> ParsedOutput:
+    """The calls of an assistant message: its native ``tool_calls`` if it has any, else those in its text."""
+    native = message.get("tool_calls") or []
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if native:
+        calls = [ParsedCall(id=c.get("id") or new_call_id(), name=(c.get("function") or {}).get("name") or "",
+                            arguments=(c.get("function") or {}).get("arguments") or "",
+                            raw=(c.get("function") or {}).get("arguments") or "", repaired=False)
+                 for c in native]
+        return ParsedOutput(content=content or None, calls=calls)
+    return parse_text(content or "")
 
 
 def _load_json(raw: str) -> tuple[Any, bool]:

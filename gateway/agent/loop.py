@@ -1,0 +1,325 @@
+"""The agent loop: a state machine whose every transition is an event.
+
+``CALL_MODEL → PARSE → VALIDATE → EXECUTE → OBSERVE → (SUMMARIZE) → CALL_MODEL … → FINAL | TERMINATED``
+
+``step()`` is one model call and what follows from it; ``run()`` repeats it until the model answers
+without calling a tool or a limit stops it. Stops are ``Termination`` exceptions carrying their named
+reason. The state (messages, spent budgets, counters) is persisted after every step, so a run can be
+inspected, replayed or resumed from the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import structlog
+
+from gateway.agent import context as ctx
+from gateway.agent.limits import BACKEND_ERROR, Budget, Guard, Limits, Termination, call_signature
+from gateway.agent.parsing import parse_message
+from gateway.agent.validation import CheckedCall, check_call
+from gateway.backends.base import Backend, BackendError, ChatRequest, ChatResult
+
+log = structlog.get_logger()
+
+# States of the machine, as written to the events table.
+CALL_MODEL, PARSE, VALIDATE, EXECUTE, OBSERVE, SUMMARIZE = (
+    "CALL_MODEL", "PARSE", "VALIDATE", "EXECUTE", "OBSERVE", "SUMMARIZE")
+FINAL, TERMINATED, ERROR = "FINAL", "TERMINATED", "ERROR"
+
+WRAP_UP = ("You must stop now ({detail}). Do not call any tools. Give your best final answer from what you "
+           "have so far, and say plainly what you could not do.")
+
+
+@dataclass
+class ToolOutcome:
+    status: str  # ok | error | timeout | denied
+    output: str
+    duration_ms: float = 0.0
+
+
+class Toolbox(Protocol):
+    """The tools one run may use."""
+
+    def schemas(self) -> dict[str, dict[str, Any] | None]: ...
+
+    def openai_tools(self) -> list[dict[str, Any]]: ...
+
+    async def execute(self, name: str, arguments: dict[str, Any]) -> ToolOutcome: ...
+
+
+@dataclass
+class Profile:
+    name: str
+    model: str
+    system_prompt: str = ""
+    tools: list[str] = field(default_factory=list)
+    limits: Limits = field(default_factory=Limits)
+    context_budget_tokens: int = 0  # 0: never summarize
+    keep_last_turns: int = 2
+    temperature: float | None = None
+    max_tokens: int | None = None
+
+
+@dataclass
+class Event:
+    step: int
+    state: str
+    data: dict[str, Any]
+    created_at: float = field(default_factory=time.time)
+
+
+@dataclass
+class RunState:
+    """Everything needed to continue a run; persisted as JSON after every step."""
+
+    run_id: str
+    profile: str
+    messages: list[dict[str, Any]]
+    budget: Budget = field(default_factory=Budget)
+    status: str = "running"  # running | completed | terminated | error | interrupted | pending_approval
+    termination_reason: str | None = None
+    tool_calls: int = 0
+    invalid_tool_calls: int = 0
+    final: str | None = None
+    error: str | None = None
+    model_calls: int = 0  # every backend call, summaries and wrap-ups included
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunState:
+        return cls(**{**data, "budget": Budget(**data["budget"])})
+
+    def harness(self) -> dict[str, Any]:
+        """The ``harness`` object every surface returns; its field names are a public contract."""
+        b = self.budget
+        return {"trajectory_id": self.run_id, "status": self.status, "termination_reason": self.termination_reason,
+                "steps": b.steps, "tool_calls": self.tool_calls, "invalid_tool_calls": self.invalid_tool_calls,
+                "usage": {"prompt_tokens": b.prompt_tokens, "completion_tokens": b.completion_tokens,
+                          "total_tokens": b.total_tokens}}
+
+
+@dataclass
+class StepRecord:
+    """What one step produced, for the recorder to persist in one commit."""
+
+    step: int
+    request: dict[str, Any] | None = None  # the body as sent to the backend
+    result: ChatResult | None = None
+    error: str | None = None
+    latency_ms: float = 0.0
+    purpose: str = "step"  # step | summary | wrap_up
+    calls: list[tuple[CheckedCall, ToolOutcome | None]] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+
+
+class Recorder(Protocol):
+    async def step(self, state: RunState, record: StepRecord) -> None: ...
+
+
+class AgentLoop:
+    def __init__(self, *, profile: Profile, backend: Backend, toolbox: Toolbox, recorder: Recorder,
+                 state: RunState, token_counter: ctx.TokenCounter | None = None,
+                 on_event: Callable[[Event], None] | None = None) -> None:
+        self.profile = profile
+        self.backend = backend
+        self.toolbox = toolbox
+        self.recorder = recorder
+        self.state = state
+        self.guard = Guard(profile.limits, state.budget)
+        self.count_tokens = token_counter or ctx.approximate_tokens
+        self.on_event = on_event
+
+    # -- the run ----------------------------------------------------------------------------------
+
+    async def run(self) -> RunState:
+        state = self.state
+        try:
+            while state.status == "running":
+                await self.step()
+        except Termination as stop:
+            await self._terminate(stop)
+        except asyncio.CancelledError:
+            state.status, state.termination_reason = "terminated", "client_disconnected"
+            await asyncio.shield(self._persist(StepRecord(step=state.budget.steps, events=[
+                self._event(TERMINATED, reason="client_disconnected")])))
+            raise
+        return state
+
+    async def step(self) -> None:
+        state, n = self.state, self.state.budget.steps
+        record = StepRecord(step=n)
+        self.guard.before_model_call()
+        await self._maybe_summarize(record)
+        body = self._body(self.profile.tools and self.toolbox.openai_tools())
+        result = await self._call_model(record, body, CALL_MODEL)
+        message = (result.response.get("choices") or [{}])[0].get("message") or {"role": "assistant"}
+
+        self._emit(record, PARSE)
+        parsed = parse_message(message)
+        if not parsed.calls:
+            state.final = parsed.content or ""
+            state.messages.append({"role": "assistant", "content": state.final})
+            state.status = "completed"
+            self._emit(record, FINAL, content=state.final)
+            await self._persist(record)
+            return
+
+        self._emit(record, VALIDATE, calls=len(parsed.calls))
+        schemas = self.toolbox.schemas()
+        checked = [check_call(c.id, c.name, c.arguments, schemas, already_repaired=c.repaired)
+                   for c in parsed.calls]
+        state.messages.append({"role": "assistant", "content": parsed.content, "tool_calls": [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json()}}
+            for c in checked]})
+        state.tool_calls += len(checked)
+
+        stop: Termination | None = None
+        refusals: dict[str, str] = {}
+        signatures = []
+        for c in checked:
+            if not c.valid:
+                continue
+            sig = call_signature(c.name, c.arguments)
+            signatures.append(sig)
+            try:
+                refusal = self.guard.check_repeat(sig, c.name)
+            except Termination as exc:
+                stop = stop or exc
+                refusal = "Refused: the same call again. The run is stopping."
+            if refusal:
+                refusals[c.id] = refusal
+        runnable = [c for c in checked if c.valid and c.id not in refusals]
+        self._emit(record, EXECUTE, calls=[{"id": c.id, "name": c.name, "arguments": c.arguments}
+                                           for c in runnable])
+        outcomes = await asyncio.gather(*[self._execute(c) for c in runnable]) if stop is None else []
+        by_id = {c.id: o for c, o in zip(runnable, outcomes, strict=False)}
+
+        nudges = []
+        for c in checked:
+            if not c.valid:
+                state.invalid_tool_calls += 1
+                outcome = ToolOutcome("invalid", f"Invalid call to {c.name}: {c.error}. Fix the call and try again.")
+            elif c.id in refusals:
+                outcome = ToolOutcome("denied", refusals[c.id])
+            else:
+                outcome = by_id.get(c.id) or ToolOutcome("denied", "Not run: the run is stopping.")
+            record.calls.append((c, outcome))
+            state.messages.append({"role": "tool", "tool_call_id": c.id, "content": outcome.output})
+            if outcome.status in ("ok", "error", "timeout", "invalid"):
+                try:
+                    nudge = self.guard.tool_result(c.name, outcome.status == "ok")
+                except Termination as exc:
+                    stop = stop or exc
+                    nudge = None
+                if nudge:
+                    nudges.append(nudge)
+        self._emit(record, OBSERVE, results=[{"id": c.id, "name": c.name, "status": o.status,
+                                              "output": o.output[:500]} for c, o in record.calls])
+        if nudges:
+            state.messages.append({"role": "user", "content": "\n".join(nudges)})
+        self.guard.end_step(signatures)
+        await self._persist(record)
+        if stop is not None:
+            raise stop
+
+    # -- pieces -----------------------------------------------------------------------------------
+
+    def _body(self, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.profile.model, "messages": list(self.state.messages)}
+        if tools:
+            body["tools"] = tools
+        if self.profile.temperature is not None:
+            body["temperature"] = self.profile.temperature
+        if self.profile.max_tokens is not None:
+            body["max_tokens"] = self.profile.max_tokens
+        return body
+
+    async def _call_model(self, record: StepRecord, body: dict[str, Any], state_name: str) -> ChatResult:
+        self._emit(record, state_name, messages=len(body["messages"]))
+        record.request = body
+        started = time.perf_counter()
+        timeout = self.guard.seconds_left()
+        try:
+            result = await asyncio.wait_for(self.backend.chat(ChatRequest(body=body, model=self.profile.model)),
+                                            timeout)
+        except TimeoutError:
+            record.error = "the deadline passed during the model call"
+            await self._persist(record)
+            raise Termination("deadline", record.error) from None
+        except BackendError as exc:
+            record.error = exc.message
+            record.latency_ms = (time.perf_counter() - started) * 1000
+            self.state.status, self.state.termination_reason, self.state.error = "error", BACKEND_ERROR, exc.message
+            self._emit(record, ERROR, error=exc.message)
+            await self._persist(record)
+            raise Termination(BACKEND_ERROR, exc.message) from None
+        record.latency_ms = (time.perf_counter() - started) * 1000
+        record.result = result
+        self.guard.spent(result.response.get("usage"))
+        return result
+
+    async def _execute(self, call: CheckedCall) -> ToolOutcome:
+        assert call.arguments is not None
+        return await self.toolbox.execute(call.name, call.arguments)
+
+    async def _maybe_summarize(self, record: StepRecord) -> None:
+        budget = self.profile.context_budget_tokens
+        if not budget or self.count_tokens(self.state.messages) <= budget:
+            return
+        split = ctx.split_for_summary(self.state.messages, self.profile.keep_last_turns)
+        if split is None:
+            return
+        self._emit(record, SUMMARIZE, replaced=len(split.middle))
+        summary_record = StepRecord(step=record.step, purpose="summary")
+        body = {"model": self.profile.model, "messages": ctx.summary_request(split.middle), "max_tokens": 256}
+        summary_record.request = body
+        try:
+            result = await self.backend.chat(ChatRequest(body=body, model=self.profile.model))
+            summary_record.result = result
+            usage = result.response.get("usage") or {}
+            self.state.budget.prompt_tokens += int(usage.get("prompt_tokens") or 0)
+            self.state.budget.completion_tokens += int(usage.get("completion_tokens") or 0)
+            text = ((result.response.get("choices") or [{}])[0].get("message") or {}).get("content") or ""
+        except BackendError as exc:
+            summary_record.error = exc.message
+            text = ""
+        if not text.strip():
+            text = ctx.extractive_summary(split.middle)
+        await self.recorder.step(self.state, summary_record)
+        self.state.messages = split.head + [ctx.summary_message(text)] + split.tail
+
+    async def _terminate(self, stop: Termination) -> None:
+        state = self.state
+        if state.status != "error":
+            state.status, state.termination_reason = "terminated", stop.reason
+        record = StepRecord(step=state.budget.steps, purpose="wrap_up")
+        if state.status == "terminated" and self.guard.can_wrap_up():
+            state.messages.append({"role": "user", "content": WRAP_UP.format(detail=stop.detail)})
+            try:
+                result = await self._call_model(record, self._body(None), CALL_MODEL)
+                message = (result.response.get("choices") or [{}])[0].get("message") or {}
+                state.final = parse_message(message).content or ""
+                state.messages.append({"role": "assistant", "content": state.final})
+            except Termination:
+                state.status, state.termination_reason = "terminated", stop.reason
+        self._emit(record, TERMINATED, reason=stop.reason, detail=stop.detail)
+        await self._persist(record)
+
+    def _event(self, state_name: str, **data: Any) -> Event:
+        return Event(step=self.state.budget.steps, state=state_name, data=data)
+
+    def _emit(self, record: StepRecord, state_name: str, **data: Any) -> None:
+        event = self._event(state_name, **data)
+        record.events.append(event)
+        if self.on_event is not None:
+            self.on_event(event)
+
+    async def _persist(self, record: StepRecord) -> None:
+        await self.recorder.step(self.state, record)
