@@ -11,6 +11,8 @@ bottleneck), one load generator (``wrk``, so no Python client competes for the c
 
 each at concurrency 1 (``wrk -t1 -c1``) and N (``wrk -t2 -cN``, default 64), after a warm-up, POSTing
 ``{"model": "bench-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}``.
+Each gateway measurement gets a freshly started gateway on a fresh database (``--prefill N`` starts it
+with N trajectories instead): what capture costs depends on what the database holds.
 
 Reports requests/second, p50 and p99, the latency each proxy adds over direct, our throughput and p99
 as ratios to LiteLLM's, capture's throughput cost, and pass/fail marks against the targets. Writes the
@@ -53,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -273,7 +276,7 @@ def ensure_litellm(venv: Path, install: bool) -> None:
     if not install:
         raise BenchError(f"LiteLLM is not installed in {venv}. Install it with:\n  {cmd}\n"
                          "or run without --no-install-litellm, or pass --skip litellm.")
-    console.print(f"[bold]Installing LiteLLM into {venv}[/] (first run only):\n  {cmd}")
+    console.print(f"[bold]Installing LiteLLM into {venv}[/] (first run only):\n  {escape(cmd)}")
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     subprocess.run([str(venv / "bin" / "pip"), "install", "-q", LITELLM_REQUIREMENT], check=True)
 
@@ -447,41 +450,123 @@ def run_wrk(url: str, script: Path, load: Load, seconds: float, timeout_s: float
     }
 
 
-def measure(name: str, url: str, script: Path, loads: list[Load], args: argparse.Namespace,
-            server: Service, db: Path | None = None) -> dict[str, Any]:
-    """Warm up, then measure each load; a measurement the machine's other work disturbed is retried."""
+@dataclass
+class Target:
+    """What one measurement runs against: the URL, wrk's script, the server's processes, its database."""
+
+    url: str
+    script: Path
+    server: Service
+    db: Path | None = None
+    measured_requests: int = 0
+
+
+def measure(name: str, session: Any, loads: list[Load], args: argparse.Namespace) -> dict[str, Any]:
+    """Warm up, then measure each load; a measurement the machine's other work disturbed is retried.
+
+    ``session()`` is a context manager giving the Target for one measurement: the same long-lived server
+    for direct and LiteLLM, a fresh gateway on a fresh database for the gateway modes (what capture costs
+    depends on what the database holds, so every measurement starts from the same state).
+    """
     results = {}
     for load in loads:
         best: dict[str, Any] | None = None
         for attempt in range(1 + max(0, args.retries)):
-            waited = wait_until_quiet(args.quiet_threshold, args.quiet_wait)
-            if args.warmup > 0:
-                run_wrk(url, script, load, args.warmup, args.wrk_timeout)
-            before = count_rows(db, "trajectories") if db else None
-            r = run_wrk(url, script, load, args.duration, args.wrk_timeout, server)
-            r.update(attempt=attempt + 1, waited_for_quiet_s=waited)
-            if db:
-                # Capture's cost can depend on how much the database already holds.
-                r.update(db_trajectories_before=before, db_trajectories_after=count_rows(db, "trajectories"))
+            with session() as target:
+                waited = wait_until_quiet(args.quiet_threshold, args.quiet_wait)
+                if args.warmup > 0:
+                    target.measured_requests += run_wrk(target.url, target.script, load, args.warmup,
+                                                        args.wrk_timeout)["requests"]
+                before = count_rows(target.db, "trajectories") if target.db else None
+                r = run_wrk(target.url, target.script, load, args.duration, args.wrk_timeout, target.server)
+                target.measured_requests += r["requests"]
+                r.update(attempt=attempt + 1, waited_for_quiet_s=waited)
+                if target.db:
+                    r.update(db_trajectories_before=before,
+                             db_trajectories_after=count_rows(target.db, "trajectories"))
             if best is None or r["other_cpu_pct"] < best["other_cpu_pct"]:
                 best = r
             noisy = args.quiet_threshold > 0 and r["other_cpu_pct"] > args.quiet_threshold
             err = f", [red]{r['errors']} errors {r['error_detail']}[/]" if r["errors"] else ""
             note = (f" [yellow](other work used {r['other_cpu_pct']:.0f}% of a core: noisy)[/]"
                     if noisy else "")
+            db_note = (f", DB {r['db_trajectories_before']:,}->{r['db_trajectories_after']:,} trajectories"
+                       if "db_trajectories_before" in r else "")
             console.print(f"  {LABELS[name]:<22} c={load.concurrency:<3} {r['rps']:>9.1f} req/s  "
                           f"p50 {r['p50_ms']:7.3f} ms  p99 {r['p99_ms']:8.3f} ms  "
                           f"server CPU {r['server_cpu_pct']:5.1f}% "
                           f"({r['server_cpu_ms_per_request']:.3f} ms/req), "
                           f"wrk CPU {r['wrk_cpu_pct']:5.1f}%, other {r['other_cpu_pct']:4.1f}%"
-                          + (f", DB {r['db_trajectories_before']:,}->{r['db_trajectories_after']:,} "
-                             "trajectories" if db else "") + err + note)
+                          + db_note + err + note)
             if not noisy:
                 break
         assert best is not None
         best["noisy"] = args.quiet_threshold > 0 and best["other_cpu_pct"] > args.quiet_threshold
         results[f"c{load.concurrency}"] = best
     return results
+
+
+def fixed_session(target: Target) -> Any:
+    @contextlib.contextmanager
+    def session() -> Iterator[Target]:
+        yield target
+    return session
+
+
+def gateway_session(services: Services, tmp: Path, mode: str, upstream_port: int, prefill: int,
+                    checks: dict[str, Any]) -> Any:
+    """A fresh gateway on a fresh database per measurement, checked to capture (or not) as its mode says."""
+    runs = 0
+
+    @contextlib.contextmanager
+    def session() -> Iterator[Target]:
+        nonlocal runs
+        runs += 1
+        name = f"{mode}-{runs}"
+        port = free_port()
+        config = gateway_toml(tmp, name, port, upstream_port)
+        db = config.parent / "harness.db"
+        auth: dict[str, str] = {}
+        if mode == "capture_off":
+            auth = {"Authorization": f"Bearer {create_no_capture_key(config)}"}
+        if prefill:
+            prefill_trajectories(db, prefill)
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        with serving(services, start_gateway(services, tmp, name, config, port)) as gw:
+            check_chat(name, url, auth)
+            if mode == "capture_off":
+                # The gateway is closed (a key exists): a request without the key must be refused.
+                status = http("POST", url, REQUEST_BODY)[0]
+                if status != 401:
+                    raise BenchError(f"{name}: answered {status} to a request without a key; expected 401")
+            target = Target(url, wrk_script(tmp, name, auth), gw, db, measured_requests=1)
+            yield target
+        recorded = count_rows(db)
+        checks.setdefault(mode, []).append({"measured_requests": target.measured_requests,
+                                            "recorded_calls": recorded})
+        if mode == "capture_on" and recorded < target.measured_requests:
+            raise BenchError(f"{name}: recorded {recorded} calls for {target.measured_requests} requests: "
+                             "it was not capturing")
+        if mode == "capture_off" and recorded:
+            raise BenchError(f"{name}: recorded {recorded} calls with a --no-capture key")
+
+    return session
+
+
+def prefill_trajectories(db: Path, n: int) -> None:
+    """Give a fresh database n finished single-call trajectories of the open tenant, as a busy one holds."""
+    sys.path.insert(0, str(REPO))
+    from replay.schema import migrate  # the gateway's own schema
+
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        conn.execute("PRAGMA journal_mode=WAL")
+        migrate(conn)
+        now = time.time() - 86400
+        conn.executemany(
+            "INSERT INTO trajectories(id, source, status, head_hash, message_count, n_calls, created_at, "
+            "updated_at) VALUES (?, 'proxy', 'completed', ?, 2, 1, ?, ?)",
+            ((f"prefill-{i:09d}", secrets.token_hex(32), now + i * 1e-3, now + i * 1e-3) for i in range(n)))
+        conn.commit()
 
 
 @contextlib.contextmanager
@@ -590,6 +675,8 @@ def profile_gateway(services: Services, tmp: Path, upstream_port: int, args: arg
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     config = gateway_toml(tmp, "profile", port, upstream_port)
+    if args.prefill:
+        prefill_trajectories(config.parent / "harness.db", args.prefill)
     seconds = max(1, round(args.profile_duration))
     recordings = (("gil", ["--gil", "--format", "raw"], "gil.txt"),
                   ("gil_flamegraph", ["--gil", "--format", "flamegraph"], "gil.svg"),
@@ -780,6 +867,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Longest wait, in seconds, for the machine to quiet down before measuring anyway.")
     p.add_argument("--retries", type=int, default=2,
                    help="Extra attempts at a measurement that other work disturbed; the quietest is kept.")
+    p.add_argument("--prefill", type=int, default=0, metavar="N",
+                   help="Start each gateway database with N finished trajectories (as a busy one holds) "
+                        "instead of empty.")
     p.add_argument("--skip", action="append", default=[], choices=TARGETS,
                    help="Leave a target out (repeatable).")
     p.add_argument("--json", default=str(DEFAULT_JSON), help="Where to write the figures as JSON.")
@@ -819,7 +909,7 @@ def main(argv: list[str] | None = None) -> int:
         if "litellm" in targets:
             ensure_litellm(venv, install=not args.no_install_litellm)
     except (BenchError, subprocess.CalledProcessError) as exc:
-        console.print(f"[red]error:[/] {exc}")
+        console.print(f"[red]error:[/] {escape(str(exc))}")
         return 2
 
     loads = [Load(1, 1), Load(args.concurrency, min(args.threads, args.concurrency))]
@@ -850,47 +940,19 @@ def main(argv: list[str] | None = None) -> int:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
-        console.print(f"[bold]Gateway overhead[/]: {args.warmup:g} s warm-up + {args.duration:g} s "
-                      "per measurement, "
-                      f"concurrency {' and '.join(c[1:] for c in levels)}; temp dir {tmp}")
+        if targets:
+            console.print(f"[bold]Gateway overhead[/]: {args.warmup:g} s warm-up + {args.duration:g} s "
+                          "per measurement, "
+                          f"concurrency {' and '.join(c[1:] for c in levels)}; temp dir {tmp}")
 
         if "direct" in targets:
-            script = wrk_script(tmp, "direct", {})
-            results["direct"] = measure("direct", direct_url, script, loads, args, nginx)
+            direct = Target(direct_url, wrk_script(tmp, "direct", {}), nginx)
+            results["direct"] = measure("direct", fixed_session(direct), loads, args)
 
-        if "capture_on" in targets:
-            port = free_port()
-            config = gateway_toml(tmp, "capture_on", port, upstream_port)
-            with serving(services, start_gateway(services, tmp, "capture_on", config, port)) as gw:
-                url = f"http://127.0.0.1:{port}/v1/chat/completions"
-                check_chat("capture_on", url, {})
-                script = wrk_script(tmp, "capture_on", {})
-                results["capture_on"] = measure("capture_on", url, script, loads, args, gw,
-                                                tmp / "capture_on" / "harness.db")
-            sent = sum(r["requests"] for r in results["capture_on"].values())
-            checks["capture_on_recorded_calls"] = count_rows(tmp / "capture_on" / "harness.db")
-            checks["capture_on_measured_requests"] = sent
-            if checks["capture_on_recorded_calls"] < sent:
-                raise BenchError(f"capture on recorded only {checks['capture_on_recorded_calls']} calls for "
-                                 f"{sent} measured requests: it was not capturing")
-
-        if "capture_off" in targets:
-            port = free_port()
-            config = gateway_toml(tmp, "capture_off", port, upstream_port)
-            key = create_no_capture_key(config)
-            with serving(services, start_gateway(services, tmp, "capture_off", config, port)) as gw:
-                url = f"http://127.0.0.1:{port}/v1/chat/completions"
-                auth = {"Authorization": f"Bearer {key}"}
-                check_chat("capture_off", url, auth)
-                # The gateway is closed (a key exists): a request without the key must be refused.
-                status = http("POST", url, REQUEST_BODY)[0]
-                if status != 401:
-                    raise BenchError(f"capture_off gateway answered {status} without a key; expected 401")
-                script = wrk_script(tmp, "capture_off", auth)
-                results["capture_off"] = measure("capture_off", url, script, loads, args, gw)
-            checks["capture_off_recorded_calls"] = count_rows(tmp / "capture_off" / "harness.db")
-            if checks["capture_off_recorded_calls"]:
-                raise BenchError(f"capture off recorded {checks['capture_off_recorded_calls']} calls")
+        for mode in ("capture_on", "capture_off"):
+            if mode in targets:
+                session = gateway_session(services, tmp, mode, upstream_port, args.prefill, checks)
+                results[mode] = measure(mode, session, loads, args)
 
         if "litellm" in targets:
             port = free_port()
@@ -905,8 +967,8 @@ def main(argv: list[str] | None = None) -> int:
                 url = f"http://127.0.0.1:{port}/v1/chat/completions"
                 auth = {"Authorization": f"Bearer {master_key}"}
                 check_chat("litellm", url, auth)
-                script = wrk_script(tmp, "litellm", auth)
-                results["litellm"] = measure("litellm", url, script, loads, args, svc)
+                target = Target(url, wrk_script(tmp, "litellm", auth), svc)
+                results["litellm"] = measure("litellm", fixed_session(target), loads, args)
 
         if args.profile:
             profile = profile_gateway(services, tmp, upstream_port, args, loads[-1])
@@ -914,7 +976,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print("[red]interrupted[/]")
         return 130
     except BenchError as exc:
-        console.print(f"[red]error:[/] {exc}")
+        console.print(f"[red]error:[/] {escape(str(exc))}")
         return 1
     finally:
         services.stop_all()
@@ -929,7 +991,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {
             "benchmark": "gateway_overhead",
             "started_at": dt.datetime.fromtimestamp(started, dt.UTC).isoformat(timespec="seconds"),
-            "settings": {"duration_s": args.duration, "warmup_s": args.warmup,
+            "settings": {"duration_s": args.duration, "warmup_s": args.warmup, "prefill": args.prefill,
                          "loads": [{"concurrency": x.concurrency, "wrk_threads": x.threads} for x in loads],
                          "request": REQUEST_BODY, "stream": False},
             "environment": {

@@ -15,7 +15,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.api import chat, health, models, trajectories
+from gateway.agent.service import AgentService
+from gateway.api import agent, chat, health, models, trajectories
 from gateway.auth import Authenticator
 from gateway.backends import build_backend
 from gateway.backends.base import Backend
@@ -23,6 +24,8 @@ from gateway.config import Settings
 from gateway.errors import APIError, error_response
 from gateway.metrics import Metrics
 from replay.store import TrajectoryStore
+from tools.context import ToolContext
+from tools.registry import default_registry
 
 log = structlog.get_logger()
 
@@ -46,12 +49,21 @@ class Gateway:
             for model in backend.models:
                 self.model_map.setdefault(model, backend)
         self.background: set[asyncio.Task[Any]] = set()
+        self.cancel_on_stop: set[asyncio.Task[Any]] = set()
+        self.tool_context = ToolContext(settings.tools)
+        self.agents = AgentService(profiles=settings.profiles, store=self.store,
+                                   registry=default_registry(settings.tools), tool_context=self.tool_context,
+                                   backend_for=self.backend_for)
 
-    def spawn(self, coro: Any) -> None:
-        """Run work that must finish even though its request is gone (a disconnected stream's record)."""
+    def spawn(self, coro: Any, *, cancel_on_stop: bool = False) -> None:
+        """Run work that outlives its request: a disconnected stream's record (finished before shutdown),
+        or a background agent run (cancelled at shutdown, and so recorded as interrupted)."""
         task = asyncio.create_task(coro)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
+        if cancel_on_stop:
+            self.cancel_on_stop.add(task)
+            task.add_done_callback(self.cancel_on_stop.discard)
 
     def backend_for(self, model: str) -> Backend:
         backend = self.model_map.get(model)
@@ -62,24 +74,26 @@ class Gateway:
 
     async def start(self) -> None:
         await self.store.start()
+        interrupted = await self.agents.interrupt_unfinished()
+        if interrupted:
+            log.warning("agent.runs_interrupted", count=interrupted)
         for backend in self.backends:
             await backend.start()
         if self.settings.store.retention_days:
-            self.spawn(self._retention_loop(self.settings.store.retention_days))
+            self.spawn(self._retention_loop(self.settings.store.retention_days), cancel_on_stop=True)
         log.info("gateway.started", models=sorted(self.model_map), store=self.settings.store.path)
 
     async def stop(self) -> None:
-        for task in list(self.background):
-            if task.get_name().startswith("retention"):
-                task.cancel()
+        for task in list(self.cancel_on_stop):
+            task.cancel()
         if self.background:
             await asyncio.gather(*self.background, return_exceptions=True)
         for backend in self.backends:
             await backend.aclose()
+        await self.tool_context.aclose()
         await self.store.close()
 
     async def _retention_loop(self, days: float) -> None:
-        asyncio.current_task().set_name("retention")  # type: ignore[union-attr]
         while True:
             removed = await self.store.delete(before=time.time() - days * 86400)
             if removed:
@@ -166,6 +180,8 @@ def build_app(settings: Settings) -> Starlette:
 
     routes = [
         Route("/v1/chat/completions", chat.chat_completions, methods=["POST"], name="chat"),
+        Route("/v1/agent/runs", agent.create_run, methods=["POST"], name="agent_runs"),
+        Route("/v1/agent/runs/{run_id}", agent.get_run, methods=["GET"], name="agent_run"),
         Route("/v1/models", models.list_models, methods=["GET"], name="models"),
         Route("/v1/models/{model:path}", models.get_model, methods=["GET"], name="model"),
         Route("/v1/trajectories", trajectories.list_own, methods=["GET"], name="trajectories"),

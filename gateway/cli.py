@@ -88,6 +88,63 @@ def serve(config: str | None = ConfigOption,
                 timeout_graceful_shutdown=10)
 
 
+@app.command("run")
+def run_agent(profile: str = typer.Argument(..., help="An agent profile from the config."),
+              task: str = typer.Argument(..., help="What the agent should do."),
+              config: str | None = ConfigOption,
+              as_json: bool = typer.Option(False, "--json", help="Print the final state as JSON.")) -> None:
+    """Run an agent profile to completion here, printing each step as it happens."""
+    from gateway.agent.loop import EXECUTE, FINAL, OBSERVE, TERMINATED, Event
+    from gateway.app import Gateway
+    from gateway.auth import Principal
+    from gateway.errors import APIError
+    from gateway.logging import configure_logging
+
+    settings = _settings(config)
+    configure_logging("console", "warning")
+
+    def show(event: Event) -> None:
+        if event.state == EXECUTE:
+            for c in event.data.get("calls", []):
+                args = orjson.dumps(c["arguments"]).decode()
+                console.print(f"[dim]step {event.step}[/dim] → [cyan]{c['name']}[/cyan]({args})", highlight=False)
+        elif event.state == OBSERVE:
+            for r in event.data.get("results", []):
+                colour = "green" if r["status"] == "ok" else "red"
+                console.print(f"   ← [{colour}]{r['status']}[/{colour}] {r['output'][:200]}", highlight=False)
+        elif event.state == TERMINATED:
+            console.print(f"[yellow]stopped: {event.data.get('reason')}[/yellow] {event.data.get('detail', '')}")
+        elif event.state == FINAL:
+            console.print("[dim]final answer[/dim]")
+
+    async def main() -> Any:
+        gateway = Gateway(settings)
+        await gateway.start()
+        try:
+            loop, recorder = gateway.agents.prepare(profile, [{"role": "user", "content": task}],
+                                                    Principal(key_id="cli", tenant=None), on_event=show)
+            await recorder.start(loop.state)
+            return await loop.run()
+        finally:
+            await gateway.stop()
+
+    try:
+        state = asyncio.run(main())
+    except APIError as exc:
+        typer.echo(f"error: {exc.message}", err=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        typer.echo(orjson.dumps(state.to_dict()).decode())
+    else:
+        console.print(state.final or "", highlight=False, markup=False)
+        h = state.harness()
+        console.print(f"[dim]{h['status']} · {h['steps']} steps · {h['tool_calls']} tool calls "
+                      f"({h['invalid_tool_calls']} invalid) · {h['usage']['total_tokens']} tokens · "
+                      f"trajectory {h['trajectory_id']}[/dim]")
+    if state.status not in ("completed", "terminated"):
+        raise typer.Exit(1)
+
+
 @keys_app.command("create")
 def keys_create(tenant: str = typer.Option(..., help="Tenant this key belongs to."),
                 name: str | None = typer.Option(None, help="A label for people."),

@@ -31,6 +31,8 @@ class ServerSettings(_Section):
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 picks a free one).")
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest accepted request body.")
     admin_key_env: str = Field("HARNESS_ADMIN_KEY", description="Variable holding the admin key.")
+    guard_retries: int = Field(1, ge=0, description="Proxy mode: times an invalid tool call goes back to the model "
+                               "before the client sees it.")
     log_format: Literal["auto", "json", "console"] = Field(
         "auto", description="auto: readable on a terminal, JSON otherwise."
     )
@@ -111,13 +113,32 @@ class ToolsSettings(_Section):
         return value
 
 
+class ProfileSettings(_Section):
+    """An agent profile: ``model = "agent:<name>"`` runs this agent to completion on the server."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$")
+    model: str = Field(description="The base model (or base:adapter) the agent thinks with.")
+    system_prompt: str = ""
+    tools: list[str] = Field(default_factory=list, description="Tool names this agent may call.")
+    max_steps: int = Field(10, ge=0, description="Model calls per run (0: no limit).")
+    max_total_tokens: int = Field(0, ge=0, description="Prompt plus completion tokens per run (0: no limit).")
+    deadline_seconds: float = Field(0.0, ge=0, description="Wall-clock limit per run (0: none).")
+    max_consecutive_tool_failures: int = Field(3, ge=0, description="Failures of one tool before a nudge; "
+                                               "as many more end the run.")
+    max_repeats: int = Field(3, ge=0, description="Identical calls (not back to back) allowed per run.")
+    context_budget_tokens: int = Field(0, ge=0, description="Summarize older turns past this many tokens (0: never).")
+    keep_last_turns: int = Field(2, ge=0, description="Turns kept verbatim when summarizing.")
+    temperature: float | None = Field(None, ge=0, le=2)
+    max_tokens: int | None = Field(None, ge=1, description="Per model call.")
+
+
 class Settings(_Section):
     server: ServerSettings = Field(default_factory=ServerSettings)
     store: StoreSettings = Field(default_factory=StoreSettings)
     backends: list[BackendSettings] = Field(default_factory=list)
     tools: ToolsSettings = Field(default_factory=ToolsSettings)
     # Reserved for later work; accepted as free-form tables so configs stay forward compatible.
-    profiles: list[dict[str, Any]] = Field(default_factory=list)
+    profiles: list[ProfileSettings] = Field(default_factory=list)
     routing: dict[str, Any] = Field(default_factory=dict)
     rewards: dict[str, Any] = Field(default_factory=dict)
     training: dict[str, Any] = Field(default_factory=dict)
@@ -127,9 +148,9 @@ class Settings(_Section):
     def _default_backend(self) -> Settings:
         if not self.backends:
             self.backends = [BackendSettings(name="local", kind="local")]
-        names = [b.name for b in self.backends]
-        if len(set(names)) != len(names):
-            raise ValueError(f"backend names must be unique, got {names}")
+        for kind, names in (("backend", [b.name for b in self.backends]), ("profile", [p.name for p in self.profiles])):
+            if len(set(names)) != len(names):
+                raise ValueError(f"{kind} names must be unique, got {names}")
         return self
 
 

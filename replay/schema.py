@@ -33,8 +33,8 @@ MIGRATIONS: list[str] = [
         created_at REAL NOT NULL,
         updated_at REAL NOT NULL
     );
-    CREATE INDEX trajectories_session ON trajectories(session_key, updated_at);
-    CREATE INDEX trajectories_head ON trajectories(head_hash);
+    CREATE INDEX trajectories_session ON trajectories(session_key, tenant, updated_at);
+    CREATE INDEX trajectories_head ON trajectories(head_hash, tenant, updated_at);
     CREATE INDEX trajectories_created ON trajectories(created_at);
     CREATE INDEX trajectories_tenant ON trajectories(tenant, created_at);
     CREATE INDEX trajectories_group ON trajectories(group_id);

@@ -1,9 +1,13 @@
-"""The trajectory store: SQLite through aiosqlite, one writer task with group commit.
+"""The trajectory store: SQLite, one writer task with group commit.
 
 Every write goes through one queue to one writer task, which commits whatever has gathered as one
 transaction (WAL; ``synchronous=NORMAL`` survives a process crash, ``FULL`` also a power loss). Callers
 await their record's commit, so a response is only ever sent for an exchange that is already durable.
-Reads use a second connection; WAL lets them run beside the writer.
+
+Connections, each for a reason: a batch is written by one function on one writer thread (a single hop
+off the event loop, however many statements it holds); stitching's indexed point look-ups run on the
+event loop itself (microseconds, less than a hop to another thread and back); everything else (listing,
+showing, keys, deletes) goes through aiosqlite. WAL lets readers run beside the writer.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -94,6 +99,9 @@ class CallRecord:
     prompt_token_ids: list[int] | None = None
     completion_token_ids: list[list[int]] | None = None
     completion_logprobs: list[list[float]] | None = None
+    # Tool calls of this step: call_id, name, raw_arguments, parsed, repaired, valid, validation_error,
+    # status, and where they ran, result and duration_ms.
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
     created_at: float = field(default_factory=time.time)
 
 
@@ -143,6 +151,43 @@ class WriteOp:
     statements: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
 
 
+@dataclass
+class _Rows:
+    blobs: list[tuple[str, bytes]]
+    trajectories: list[tuple[Any, ...]]
+    calls: list[tuple[Any, ...]]
+    tool_calls: list[tuple[Any, ...]]
+    statements: list[tuple[str, tuple[Any, ...]]]
+
+
+_UPSERT_TRAJECTORY = """
+    INSERT INTO trajectories(id, source, tenant, key_id, session_key, requested_model, base_model, adapter, group_id,
+        parent_id, status, head_hash, message_count, n_calls, prompt_tokens, completion_tokens, latency_ms,
+        created_at, updated_at)
+    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1, ?, ?, ?, ?, ?)
+    ON CONFLICT(id) DO UPDATE SET
+        status = excluded.status,
+        group_id = COALESCE(group_id, excluded.group_id),
+        head_hash = COALESCE(excluded.head_hash, head_hash),
+        message_count = MAX(message_count, excluded.message_count),
+        n_calls = n_calls + 1,
+        prompt_tokens = prompt_tokens + excluded.prompt_tokens,
+        completion_tokens = completion_tokens + excluded.completion_tokens,
+        latency_ms = latency_ms + excluded.latency_ms,
+        updated_at = excluded.updated_at"""
+
+_INSERT_CALL = """
+    INSERT INTO model_calls(id, trajectory_id, seq, created_at, backend, model, adapter, stream, request_messages,
+        tools_hash, params, response, response_messages, status, error, prompt_tokens, completion_tokens,
+        latency_ms, ttft_ms, prompt_token_ids, completion_token_ids, completion_logprobs)
+    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"""
+
+_INSERT_TOOL_CALL = """
+    INSERT INTO tool_calls(id, trajectory_id, step, call_id, name, raw_arguments, parsed, repaired, valid,
+        validation_error, status, result, duration_ms, created_at)
+    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"""
+
+
 class StoreClosed(RuntimeError):
     pass
 
@@ -158,6 +203,9 @@ class TrajectoryStore:
         self._queue: asyncio.Queue[tuple[WriteOp, asyncio.Future[None]]] = asyncio.Queue(max_queue)
         self._writer: aiosqlite.Connection | None = None
         self._reader: aiosqlite.Connection | None = None
+        self._batch_conn: sqlite3.Connection | None = None  # used only on the writer thread
+        self._lookup: sqlite3.Connection | None = None  # used only on the event loop
+        self._write_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-writer")
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._known_blobs = _LRU(200_000)
@@ -182,6 +230,8 @@ class TrajectoryStore:
             conn.close()
         self._writer = await self._connect()
         self._reader = await self._connect()
+        self._batch_conn = self._connect_sync()
+        self._lookup = self._connect_sync()
         self._task = asyncio.create_task(self._write_loop(), name="store-writer")
 
     async def _connect(self) -> aiosqlite.Connection:
@@ -191,6 +241,13 @@ class TrajectoryStore:
         await conn.execute("PRAGMA foreign_keys=ON")
         await conn.execute("PRAGMA busy_timeout=10000")
         conn.row_factory = aiosqlite.Row
+        return conn
+
+    def _connect_sync(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        for pragma in ("journal_mode=WAL", f"synchronous={self.synchronous}", "foreign_keys=ON",
+                       "busy_timeout=10000"):
+            conn.execute(f"PRAGMA {pragma}")
         return conn
 
     async def close(self) -> None:
@@ -206,7 +263,11 @@ class TrajectoryStore:
         for conn in (self._writer, self._reader):
             if conn is not None:
                 await conn.close()
-        self._writer = self._reader = None
+        for sync_conn in (self._batch_conn, self._lookup):
+            if sync_conn is not None:
+                sync_conn.close()
+        self._write_thread.shutdown(wait=True)
+        self._writer = self._reader = self._batch_conn = self._lookup = None
 
     @property
     def queue_depth(self) -> int:
@@ -233,8 +294,10 @@ class TrajectoryStore:
                     if state[0] in set(prefix):
                         return self._claim(tid, state)
                 return self._new(scope, session_key, parent=tid)
+            cached = {h: t for h in prefix if (t := self._heads.get(scope + h)) is not None}
+            stored = await self._heads_from_db([h for h in prefix if h not in cached], tenant)
             for head in reversed(prefix):
-                tid = self._heads.get(scope + head) or await self._head_from_db(head, tenant)
+                tid = cached.get(head) or stored.get(head)
                 if tid is not None:
                     state = await self._state_of(tid)
                     if state[0] == head:
@@ -260,29 +323,32 @@ class TrajectoryStore:
         """[current head hash, next call sequence number] of a trajectory."""
         state = self._state.get(tid)
         if state is None:
-            assert self._reader is not None
-            async with self._reader.execute("SELECT head_hash, n_calls FROM trajectories WHERE id = ?",
-                                            (tid,)) as cur:
-                row = await cur.fetchone()
+            row = self._point("SELECT head_hash, n_calls FROM trajectories WHERE id = ?", (tid,))
             state = [row[0], row[1]] if row else [None, 0]
             self._state.put(tid, state)
         return state
 
+    def _point(self, sql: str, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        assert self._lookup is not None
+        return self._lookup.execute(sql, args).fetchone()
+
     async def _session_from_db(self, session_key: str, tenant: str | None) -> str | None:
-        assert self._reader is not None
-        async with self._reader.execute(
-            "SELECT id FROM trajectories WHERE session_key = ? AND tenant IS ? "
-            "ORDER BY updated_at DESC LIMIT 1", (session_key, tenant)) as cur:
-            row = await cur.fetchone()
+        row = self._point("SELECT id FROM trajectories WHERE session_key = ? AND tenant IS ? "
+                          "ORDER BY updated_at DESC LIMIT 1", (session_key, tenant))
         return row[0] if row else None
 
-    async def _head_from_db(self, head: str, tenant: str | None) -> str | None:
-        assert self._reader is not None
-        async with self._reader.execute(
-            "SELECT id FROM trajectories WHERE head_hash = ? AND tenant IS ? "
-            "ORDER BY updated_at DESC LIMIT 1", (head, tenant)) as cur:
-            row = await cur.fetchone()
-        return row[0] if row else None
+    async def _heads_from_db(self, heads: list[str], tenant: str | None) -> dict[str, str]:
+        """Which of ``heads`` some trajectory has now: head → the newest such trajectory."""
+        assert self._lookup is not None
+        found: dict[str, str] = {}
+        for i in range(0, len(heads), 500):
+            chunk = heads[i:i + 500]
+            marks = ",".join("?" * len(chunk))
+            for head, tid in self._lookup.execute(
+                    f"SELECT head_hash, id FROM trajectories WHERE head_hash IN ({marks}) AND tenant IS ? "
+                    "ORDER BY updated_at", (*chunk, tenant)):
+                found[head] = tid
+        return found
 
     def _advance(self, rec: CallRecord, head: str | None) -> None:
         """After a call, its conversation (request plus the first choice) is the trajectory's new head."""
@@ -319,7 +385,9 @@ class TrajectoryStore:
             started = time.perf_counter()
             try:
                 async with self._write_lock:
-                    new_blobs = await self._write_batch([op for op, _ in batch])
+                    # Built under the lock: a delete in between could collect blobs these rows rely on.
+                    rows, new_blobs = self._rows([op for op, _ in batch])
+                    await asyncio.get_running_loop().run_in_executor(self._write_thread, self._commit_rows, rows)
                 for key in new_blobs:
                     self._known_blobs.put(key, True)
                 for _, fut in batch:
@@ -327,10 +395,6 @@ class TrajectoryStore:
                         fut.set_result(None)
             except Exception as exc:  # noqa: BLE001 - every waiter must hear of the failure
                 log.error("store.commit_failed", error=str(exc), batch=len(batch))
-                try:
-                    await self._writer.rollback()  # type: ignore[union-attr]
-                except Exception:  # noqa: BLE001
-                    pass
                 for _, fut in batch:
                     if not fut.done():
                         fut.set_exception(exc)
@@ -340,11 +404,12 @@ class TrajectoryStore:
             if self._on_commit is not None:
                 self._on_commit(len(batch), time.perf_counter() - started)
 
-    async def _write_batch(self, batch: list[WriteOp]) -> list[str]:
-        assert self._writer is not None
+    def _rows(self, batch: list[WriteOp]) -> tuple[_Rows, list[str]]:
+        """The rows a batch writes (built on the event loop, where the caches live), and its new blob keys."""
         blobs: dict[str, bytes] = {}
         trajectories = []
         calls = []
+        tool_calls = []
 
         def put_blob(value: Any) -> str:
             body = hashing.exact_json(value)
@@ -384,41 +449,34 @@ class TrajectoryStore:
                 rec.completion_tokens, rec.latency_ms, rec.ttft_ms, _pack(rec.prompt_token_ids),
                 _pack(rec.completion_token_ids), _pack(rec.completion_logprobs),
             ))
-        db = self._writer
-        if blobs:
-            await db.executemany("INSERT OR IGNORE INTO blobs(hash, body) VALUES (?, ?)", list(blobs.items()))
-        await db.executemany(
-            """INSERT INTO trajectories(id, source, tenant, key_id, session_key, requested_model, base_model,
-                   adapter, group_id, parent_id, status, head_hash, message_count, n_calls, prompt_tokens,
-                   completion_tokens, latency_ms, created_at, updated_at)
-               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1, ?, ?, ?, ?, ?)
-               ON CONFLICT(id) DO UPDATE SET
-                   status = excluded.status,
-                   group_id = COALESCE(group_id, excluded.group_id),
-                   head_hash = COALESCE(excluded.head_hash, head_hash),
-                   message_count = MAX(message_count, excluded.message_count),
-                   n_calls = n_calls + 1,
-                   prompt_tokens = prompt_tokens + excluded.prompt_tokens,
-                   completion_tokens = completion_tokens + excluded.completion_tokens,
-                   latency_ms = latency_ms + excluded.latency_ms,
-                   updated_at = excluded.updated_at""",
-            trajectories,
-        )
-        await db.executemany(
-            """INSERT INTO model_calls(id, trajectory_id, seq, created_at, backend, model, adapter, stream,
-                   request_messages, tools_hash, params, response, response_messages, status, error,
-                   prompt_tokens, completion_tokens, latency_ms, ttft_ms, prompt_token_ids,
-                   completion_token_ids, completion_logprobs)
-               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
-            calls,
-        )
-        for op in batch:
-            for sql, args in op.statements:
-                await db.execute(sql, args)
-        if self.commit_delay:
-            await asyncio.sleep(self.commit_delay)
-        await db.commit()
-        return list(blobs)
+            tool_calls.extend(
+                (new_id(), ref.id, ref.seq, t["call_id"], t["name"], t["raw_arguments"], int(t["parsed"]),
+                 int(t["repaired"]), int(t["valid"]), t["validation_error"], t["status"], t.get("result"),
+                 t.get("duration_ms"), rec.created_at)
+                for t in rec.tool_calls)
+        statements = [st for op in batch for st in op.statements]
+        return _Rows(list(blobs.items()), trajectories, calls, tool_calls, statements), list(blobs)
+
+    def _commit_rows(self, rows: _Rows) -> None:
+        """One transaction on the writer thread; all of it or none of it."""
+        db = self._batch_conn
+        assert db is not None
+        db.execute("BEGIN")
+        try:
+            if rows.blobs:
+                db.executemany("INSERT OR IGNORE INTO blobs(hash, body) VALUES (?, ?)", rows.blobs)
+            db.executemany(_UPSERT_TRAJECTORY, rows.trajectories)
+            db.executemany(_INSERT_CALL, rows.calls)
+            if rows.tool_calls:
+                db.executemany(_INSERT_TOOL_CALL, rows.tool_calls)
+            for sql, args in rows.statements:
+                db.execute(sql, args)
+            if self.commit_delay:
+                time.sleep(self.commit_delay)
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -523,6 +581,27 @@ class TrajectoryStore:
             self._state.clear()
             self._sessions.clear()
         return count
+
+    # -- agent runs -------------------------------------------------------------------------------
+
+    async def agent_run(self, run_id: str) -> dict[str, Any] | None:
+        assert self._reader is not None
+        async with self._reader.execute(
+                "SELECT r.*, t.tenant FROM agent_runs r JOIN trajectories t ON t.id = r.id WHERE r.id = ?",
+                (run_id,)) as cur:
+            row = await cur.fetchone()
+        return dict(row) if row else None
+
+    async def mark_runs(self, *, from_status: str, to_status: str, at: float) -> int:
+        assert self._writer is not None
+        async with self._write_lock:
+            cur = await self._writer.execute(
+                "UPDATE agent_runs SET status = ?, updated_at = ? WHERE status = ?", (to_status, at, from_status))
+            await self._writer.execute(
+                "UPDATE trajectories SET status = ?, updated_at = ? WHERE status = ? AND id IN "
+                "(SELECT id FROM agent_runs)", (to_status, at, from_status))
+            await self._writer.commit()
+        return cur.rowcount
 
     # -- API keys ----------------------------------------------------------------------------------
 

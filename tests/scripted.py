@@ -42,6 +42,9 @@ class ScriptedBackend:
         pass
 
     async def chat(self, request: ChatRequest) -> ChatResult:
+        return self._complete(request, await self._next(request))
+
+    async def _next(self, request: ChatRequest) -> dict[str, Any]:
         self.requests.append(request.body)
         if self.delay:
             await asyncio.sleep(self.delay)
@@ -50,7 +53,9 @@ class ScriptedBackend:
             reply = reply(request.body)
         if isinstance(reply, BackendError):
             raise reply
-        message = {"role": "assistant", "content": reply} if isinstance(reply, str) else reply
+        return {"role": "assistant", "content": reply} if isinstance(reply, str) else reply
+
+    def _complete(self, request: ChatRequest, message: dict[str, Any]) -> ChatResult:
         finish = "tool_calls" if message.get("tool_calls") else "stop"
         prompt, completion = self.usage
         return ChatResult(response={
@@ -59,5 +64,41 @@ class ScriptedBackend:
             "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}},
             extras=CallExtras())
 
-    async def stream(self, request: ChatRequest):  # pragma: no cover - the loop calls chat()
-        raise NotImplementedError
+    async def stream(self, request: ChatRequest) -> ScriptedStream:
+        return ScriptedStream(self._complete(request, await self._next(request)))
+
+
+class ScriptedStream:
+    """The scripted answer as chunks: words of text, then each tool call's name and argument fragments."""
+
+    def __init__(self, result: ChatResult) -> None:
+        self.result = result
+        self.extras = result.extras
+
+    def __aiter__(self):
+        return self._chunks()
+
+    async def _chunks(self):
+        r = self.result.response
+        base = {"id": r["id"], "object": "chat.completion.chunk", "created": r["created"], "model": r["model"]}
+        choice = r["choices"][0]
+        message = choice["message"]
+
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+            return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+        yield chunk({"role": "assistant", "content": ""})
+        for word in (message.get("content") or "").split(" "):
+            if word:
+                yield chunk({"content": word + " "})
+        for i, c in enumerate(message.get("tool_calls") or []):
+            yield chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
+                                         "function": {"name": c["function"]["name"], "arguments": ""}}]})
+            args = c["function"]["arguments"]
+            for j in range(0, len(args), 4):
+                yield chunk({"tool_calls": [{"index": i, "function": {"arguments": args[j:j + 4]}}]})
+        yield chunk({}, choice["finish_reason"])
+        yield {**base, "choices": [], "usage": r["usage"]}
+
+    async def aclose(self) -> None:
+        pass

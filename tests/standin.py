@@ -114,10 +114,10 @@ class StandIn:
 class ServerThread:
     """Runs an ASGI app with uvicorn on a loopback port in a background thread."""
 
-    def __init__(self, app: Any, port: int | None = None) -> None:
+    def __init__(self, app: Any, port: int | None = None, lifespan: str = "off") -> None:
         self.port = port or free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="off"))
+                                                    lifespan=lifespan))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property

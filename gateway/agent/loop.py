@@ -23,6 +23,8 @@ from gateway.agent.limits import BACKEND_ERROR, Budget, Guard, Limits, Terminati
 from gateway.agent.parsing import parse_message
 from gateway.agent.validation import CheckedCall, check_call
 from gateway.backends.base import Backend, BackendError, ChatRequest, ChatResult
+from tools.executor import ToolOutcome
+from tools.spec import ToolSpec
 
 log = structlog.get_logger()
 
@@ -31,21 +33,18 @@ CALL_MODEL, PARSE, VALIDATE, EXECUTE, OBSERVE, SUMMARIZE = (
     "CALL_MODEL", "PARSE", "VALIDATE", "EXECUTE", "OBSERVE", "SUMMARIZE")
 FINAL, TERMINATED, ERROR = "FINAL", "TERMINATED", "ERROR"
 
+APPROVAL_NEEDED = ("Not run: {name} needs a person's approval, and no approver is available. Continue without it "
+                   "or say what you would have done.")
 WRAP_UP = ("You must stop now ({detail}). Do not call any tools. Give your best final answer from what you "
            "have so far, and say plainly what you could not do.")
-
-
-@dataclass
-class ToolOutcome:
-    status: str  # ok | error | timeout | denied
-    output: str
-    duration_ms: float = 0.0
 
 
 class Toolbox(Protocol):
     """The tools one run may use."""
 
     def schemas(self) -> dict[str, dict[str, Any] | None]: ...
+
+    def get(self, name: str) -> ToolSpec | None: ...
 
     def openai_tools(self) -> list[dict[str, Any]]: ...
 
@@ -135,6 +134,8 @@ class AgentLoop:
         self.guard = Guard(profile.limits, state.budget)
         self.count_tokens = token_counter or ctx.approximate_tokens
         self.on_event = on_event
+        # How a cancelled run is recorded: a streaming client that left, or a gateway shutting down.
+        self.cancelled_as: tuple[str, str | None] = ("terminated", "client_disconnected")
 
     # -- the run ----------------------------------------------------------------------------------
 
@@ -146,9 +147,9 @@ class AgentLoop:
         except Termination as stop:
             await self._terminate(stop)
         except asyncio.CancelledError:
-            state.status, state.termination_reason = "terminated", "client_disconnected"
+            state.status, state.termination_reason = self.cancelled_as
             await asyncio.shield(self._persist(StepRecord(step=state.budget.steps, events=[
-                self._event(TERMINATED, reason="client_disconnected")])))
+                self._event(TERMINATED, reason=state.termination_reason or state.status)])))
             raise
         return state
 
@@ -205,11 +206,12 @@ class AgentLoop:
         for c in checked:
             if not c.valid:
                 state.invalid_tool_calls += 1
-                outcome = ToolOutcome("invalid", f"Invalid call to {c.name}: {c.error}. Fix the call and try again.")
+                note = f"Invalid call to {c.name}: {c.error}. Fix the call and try again."
+                outcome = ToolOutcome("invalid", note, 0.0)
             elif c.id in refusals:
-                outcome = ToolOutcome("denied", refusals[c.id])
+                outcome = ToolOutcome("denied", refusals[c.id], 0.0)
             else:
-                outcome = by_id.get(c.id) or ToolOutcome("denied", "Not run: the run is stopping.")
+                outcome = by_id.get(c.id) or ToolOutcome("denied", "Not run: the run is stopping.", 0.0)
             record.calls.append((c, outcome))
             state.messages.append({"role": "tool", "tool_call_id": c.id, "content": outcome.output})
             if outcome.status in ("ok", "error", "timeout", "invalid"):
@@ -267,6 +269,10 @@ class AgentLoop:
 
     async def _execute(self, call: CheckedCall) -> ToolOutcome:
         assert call.arguments is not None
+        spec = self.toolbox.get(call.name)
+        if spec is not None and spec.requires_approval:
+            # Approval by a person is not wired up yet: such a call is refused, never run unapproved.
+            return ToolOutcome("denied", APPROVAL_NEEDED.format(name=call.name), 0.0)
         return await self.toolbox.execute(call.name, call.arguments)
 
     async def _maybe_summarize(self, record: StepRecord) -> None:

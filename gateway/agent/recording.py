@@ -4,7 +4,6 @@ commit together, so the store always holds a state the run can be resumed from."
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any
 
 import orjson
@@ -68,18 +67,13 @@ class StoreRecorder:
                 completion_tokens=int(usage.get("completion_tokens") or 0), latency_ms=record.latency_ms,
                 prompt_token_ids=getattr(extras, "prompt_token_ids", None),
                 completion_token_ids=getattr(extras, "completion_token_ids", None),
-                completion_logprobs=getattr(extras, "completion_logprobs", None)))
+                completion_logprobs=getattr(extras, "completion_logprobs", None),
+                tool_calls=[{"call_id": c.id, "name": c.name, "raw_arguments": c.raw_arguments, "parsed": c.parsed,
+                             "repaired": c.repaired, "valid": c.valid, "validation_error": c.error,
+                             "status": o.status, "result": o.output, "duration_ms": o.duration_ms}
+                            for c, o in record.calls]))
             state.model_calls += 1
         statements: list[tuple[str, tuple[Any, ...]]] = []
-        for call, outcome in record.calls:
-            statements.append((
-                """INSERT INTO tool_calls(id, trajectory_id, step, call_id, name, raw_arguments, parsed, repaired,
-                       valid, validation_error, status, result, duration_ms, created_at)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
-                (uuid.uuid4().hex, state.run_id, record.step, call.id, call.name, call.raw_arguments,
-                 int(call.parsed), int(call.repaired), int(call.valid), call.error,
-                 outcome.status if outcome else "pending", outcome.output if outcome else None,
-                 outcome.duration_ms if outcome else None, now)))
         for event in record.events:
             statements.append(("INSERT INTO events(trajectory_id, step, state, data, created_at) "
                                "VALUES (?, ?, ?, ?, ?)",

@@ -8,7 +8,6 @@ and flagged), and they must satisfy the tool's JSON Schema (Draft 2020-12). Erro
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -16,6 +15,8 @@ from typing import Any
 
 from json_repair import repair_json
 from jsonschema import Draft202012Validator
+
+from tools.executor import schema_errors as tool_schema_errors
 
 
 @dataclass
@@ -39,27 +40,16 @@ class CheckedCall:
         return json.dumps(self.arguments, ensure_ascii=False)
 
 
-_REQUIRED = re.compile(r"'(.+?)' is a required property")
-
-
 @lru_cache(maxsize=512)
 def _validator(schema_json: str) -> Draft202012Validator:
     return Draft202012Validator(json.loads(schema_json))
 
 
 def schema_errors(schema: dict[str, Any] | None, arguments: Any) -> list[str]:
-    """Every way ``arguments`` breaks ``schema``, each naming the path, most specific first."""
+    """Every way ``arguments`` break ``schema``, each naming the path (the tools' own rule, for any schema)."""
     if not schema:
         return []
-    validator = _validator(json.dumps(schema, sort_keys=True))
-    out = []
-    for err in sorted(validator.iter_errors(arguments), key=lambda e: (list(e.absolute_path), e.message)):
-        parts = list(err.absolute_path)
-        if err.validator == "required" and (missing := _REQUIRED.match(err.message)):
-            parts.append(missing.group(1))  # name the missing field itself, not its parent
-        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts)
-        out.append(f"arguments{path}: {err.message}")
-    return out
+    return tool_schema_errors(_validator(json.dumps(schema, sort_keys=True)), arguments)
 
 
 def parse_arguments(raw: Any) -> tuple[dict[str, Any] | None, bool]:

@@ -20,6 +20,7 @@ async def list_models(request: Request) -> Response:
     gateway = request.app.state.gateway
     await gateway.auth.authenticate(request.headers)
     data = [_card(m, b.name) for m, b in sorted(gateway.model_map.items())]
+    data += [_card(f"agent:{name}", "agent") for name in sorted(gateway.agents.profiles)]
     return JSONResponse({"object": "list", "data": data})
 
 

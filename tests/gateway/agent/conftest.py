@@ -8,10 +8,12 @@ from typing import Any
 
 import pytest
 
-from gateway.agent.loop import AgentLoop, Profile, RunState, ToolOutcome
+from gateway.agent.loop import AgentLoop, Profile, RunState
 from gateway.agent.recording import StoreRecorder
 from replay.store import TrajectoryStore, new_id
 from tests.scripted import ScriptedBackend
+from tools.executor import ToolOutcome
+from tools.spec import ToolSpec
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
            "additionalProperties": False}
@@ -21,13 +23,19 @@ class Box:
     """A toolbox of in-test tools: name → (schema, async function)."""
 
     def __init__(self, tools: dict[str, tuple[dict[str, Any], Callable[[dict[str, Any]], Awaitable[Any]]]],
-                 timeout: float = 0.3) -> None:
+                 timeout: float = 0.3, needs_approval: frozenset[str] = frozenset()) -> None:
         self.tools = tools
+        self.needs_approval = needs_approval
         self.timeout = timeout
         self.ran: list[tuple[str, dict[str, Any]]] = []
 
     def schemas(self) -> dict[str, dict[str, Any] | None]:
         return {n: s for n, (s, _) in self.tools.items()}
+
+    def get(self, name: str) -> ToolSpec | None:
+        schema, fn = self.tools[name]
+        return ToolSpec(name=name, description=name, parameters=schema, run=lambda args, ctx: fn(args),
+                        requires_approval=name in self.needs_approval)
 
     def openai_tools(self) -> list[dict[str, Any]]:
         return [{"type": "function", "function": {"name": n, "description": n, "parameters": s}}
@@ -38,10 +46,10 @@ class Box:
         try:
             result = await asyncio.wait_for(self.tools[name][1](arguments), self.timeout)
         except TimeoutError:
-            return ToolOutcome("timeout", f"Tool {name} timed out after {self.timeout} s")
+            return ToolOutcome("timeout", f"Tool {name} timed out after {self.timeout} s", 0.0)
         except Exception as exc:  # noqa: BLE001
-            return ToolOutcome("error", f"Tool {name} failed: {exc}")
-        return ToolOutcome("ok", result if isinstance(result, str) else json.dumps(result))
+            return ToolOutcome("error", f"Tool {name} failed: {exc}", 0.0)
+        return ToolOutcome("ok", result if isinstance(result, str) else json.dumps(result), 0.0)
 
 
 async def weather(args: dict[str, Any]) -> dict[str, Any]:

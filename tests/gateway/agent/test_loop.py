@@ -257,3 +257,16 @@ async def test_resume_from_the_store(store, tmp_path) -> None:
     assert resumed.status == "completed" and resumed.final == "21 °C in Paris"
     assert resumed.budget.steps == 2
     _assert_paired(resumed.messages)
+
+
+async def test_tools_needing_approval_are_refused_not_run(store) -> None:
+    ran = []
+
+    async def write(args):
+        ran.append(args)
+        return "written"
+    box = Box({"write_file": ({"type": "object"}, write)}, needs_approval=frozenset({"write_file"}))
+    state, _, _ = await run_agent(store, [call("write_file", {"path": "a.txt"}), "could not write"], box=box)
+    assert ran == []
+    assert "needs a person's approval" in _tool_messages(state)[0]["content"]
+    assert state.status == "completed"

@@ -1,0 +1,53 @@
+"""A real gateway app on a loopback port whose model is a scripted stand-in (tests/scripted.py)."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway.app import build_app
+from gateway.config import load_settings
+from tests.scripted import ScriptedBackend, call
+from tests.standin import ServerThread
+
+CONFIG = """
+[store]
+path = "{db}"
+[[backends]]
+name = "scripted"
+kind = "openai"
+base_url = "http://127.0.0.1:9/v1"
+models = ["scripted-model"]
+[[profiles]]
+name = "calc"
+model = "scripted-model"
+system_prompt = "You compute."
+tools = ["calculator"]
+max_steps = 5
+"""
+
+
+def _script() -> list:
+    return [call("calculator", {"expression": "6*7"}), "The answer is 42."]
+
+
+class Served:
+    def __init__(self, url: str, backend: ScriptedBackend, app) -> None:
+        self.url, self.backend, self.app = url, backend, app
+
+
+def serve(tmp_path: Path, script: list) -> Iterator[Served]:
+    cfg = tmp_path / "h.toml"
+    cfg.write_text(CONFIG.format(db=tmp_path / "h.db"))
+    app = build_app(load_settings(cfg, environ={}))
+    backend = ScriptedBackend(script)
+    gateway = app.state.gateway
+    gateway.backends = [backend]
+    gateway.model_map = {"scripted-model": backend}
+    with ServerThread(app, lifespan="on") as server:
+        yield Served(server.url, backend, app)
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Served]:
+    yield from serve(tmp_path, _script() * 10)  # enough for several runs

@@ -1,0 +1,129 @@
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from gateway.config import ToolsSettings
+from tools.builtin.sql_query import build, run_query
+from tools.context import ToolContext
+from tools.executor import execute
+from tools.spec import ToolError
+
+
+@pytest.fixture
+def database(tmp_path: Path) -> str:
+    path = tmp_path / "data.db"
+    with sqlite3.connect(path) as connection:
+        connection.executescript("""
+            CREATE TABLE t (id INTEGER PRIMARY KEY, name TEXT, blob BLOB);
+            CREATE INDEX t_name ON t (name);
+            INSERT INTO t (name, blob) VALUES ('ada', x'00ff'), ('grace', NULL), ('linus', NULL);
+            PRAGMA user_version = 3;
+        """)
+    connection.close()
+    return str(path)
+
+
+def query(database: str, sql: str, *, timeout: float = 5.0, max_rows: int = 100) -> dict:
+    return run_query(database, sql, timeout=timeout, max_rows=max_rows)
+
+
+def state(database: str) -> tuple:
+    with sqlite3.connect(database) as connection:
+        rows = connection.execute("SELECT * FROM t ORDER BY id").fetchall()
+        tables = connection.execute("SELECT name FROM sqlite_master ORDER BY name").fetchall()
+        version = connection.execute("PRAGMA user_version").fetchone()
+        journal = connection.execute("PRAGMA journal_mode").fetchone()
+    connection.close()
+    return rows, tables, version, journal
+
+
+def test_select_returns_columns_and_rows(database: str) -> None:
+    result = query(database, "SELECT id, name FROM t WHERE id <= 2 ORDER BY id")
+    assert result == {"columns": ["id", "name"], "rows": [[1, "ada"], [2, "grace"]], "row_count": 2,
+                      "truncated": False}
+
+
+def test_ctes_functions_and_blobs_work(database: str) -> None:
+    result = query(database, "WITH n AS (SELECT upper(name) AS u, blob FROM t) SELECT u, blob FROM n LIMIT 1")
+    assert result["rows"] == [["ADA", "<blob of 2 bytes>"]]
+    recursive = query(database, "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 5) "
+                                "SELECT sum(x) FROM c")
+    assert recursive["rows"] == [[15]]
+
+
+def test_schema_can_be_read(database: str) -> None:
+    assert query(database, "SELECT name FROM sqlite_master ORDER BY name")["rows"] == [["t"], ["t_name"]]
+    assert [r[1] for r in query(database, "PRAGMA table_info(t)")["rows"]] == ["id", "name", "blob"]
+
+
+def test_rows_are_capped(database: str) -> None:
+    result = query(database, "SELECT id FROM t ORDER BY id", max_rows=2)
+    assert result["rows"] == [[1], [2]] and result["row_count"] == 2 and result["truncated"] is True
+
+
+@pytest.mark.parametrize("sql", [
+    "WITH x AS (SELECT 1) INSERT INTO t (id) SELECT * FROM x",
+    "INSERT INTO t (name) VALUES ('eve')",
+    "UPDATE t SET name = 'eve'",
+    "DELETE FROM t",
+    "DROP TABLE t",
+    "CREATE TABLE u (x)",
+    "CREATE TEMP TABLE u (x)",
+    "CREATE INDEX i ON t (name)",
+    "ALTER TABLE t ADD COLUMN y",
+    "ATTACH DATABASE ':memory:' AS other",
+    "DETACH DATABASE main",
+    "PRAGMA journal_mode=DELETE",
+    "PRAGMA user_version=5",
+    "PRAGMA writable_schema=ON",
+    "BEGIN",
+    "VACUUM",
+    "REINDEX",
+    "ANALYZE",
+    "SELECT load_extension('x')",
+])
+def test_everything_but_reading_is_refused(database: str, sql: str) -> None:
+    before = state(database)
+    with pytest.raises(ToolError, match="only reading is allowed|readonly|read-only|not authorized"):
+        query(database, sql)
+    assert state(database) == before
+
+
+def test_refusal_names_the_action(database: str) -> None:
+    with pytest.raises(ToolError, match="only reading is allowed; refused: INSERT"):
+        query(database, "WITH x AS (SELECT 1) INSERT INTO t (id) SELECT * FROM x")
+    with pytest.raises(ToolError, match="refused: PRAGMA user_version"):
+        query(database, "PRAGMA user_version=5")
+
+
+def test_runaway_query_hits_the_time_limit(database: str) -> None:
+    with pytest.raises(ToolError, match="ran longer than its limit of 0.3s"):
+        query(database, "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c",
+              timeout=0.3)
+
+
+def test_errors_are_plain(database: str) -> None:
+    with pytest.raises(ToolError, match="no such table: nope"):
+        query(database, "SELECT * FROM nope")
+    with pytest.raises(ToolError, match="one statement"):
+        query(database, "SELECT 1; SELECT 2")
+    with pytest.raises(ToolError, match="does not exist"):
+        query(database + ".missing", "SELECT 1")
+
+
+async def test_through_the_executor(database: str) -> None:
+    settings = ToolsSettings(sql_database=database, sql_timeout=0.3)
+    spec, context = build(settings), ToolContext(settings)
+    outcome = await execute(spec, {"query": "SELECT count(*) AS n FROM t"}, context)
+    assert outcome.status == "ok" and '"rows": [[3]]' in outcome.output
+    outcome = await execute(spec, {"query": "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) "
+                                            "SELECT max(x) FROM c"}, context)
+    assert outcome.status == "error" and "ran longer than its limit" in outcome.output
+    outcome = await execute(spec, {"query": "DELETE FROM t"}, context)
+    assert outcome.output == "Tool sql_query failed: only reading is allowed; refused: DELETE"
+
+
+async def test_no_database_configured() -> None:
+    outcome = await execute(build(ToolsSettings()), {"query": "SELECT 1"}, ToolContext())
+    assert outcome.output == "Tool sql_query failed: no database is configured ([tools] sql_database)"

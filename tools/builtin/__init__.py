@@ -1,0 +1,1 @@
+"""The built-in tools; each module's ``build(settings)`` returns its ``ToolSpec``."""

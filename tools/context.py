@@ -1,0 +1,44 @@
+"""What tools share while the gateway runs: settings, the SSRF guard, one HTTP client, one browser."""
+
+from __future__ import annotations
+
+import httpx
+
+from gateway.config import ToolsSettings
+from tools.browser import BrowserPool
+from tools.net import guarded_client
+from tools.ssrf import SSRFGuard
+
+
+class ToolContext:
+    """Handed to every tool call. Expensive resources start on first use; ``aclose`` releases them.
+
+    One context serves all runs of a gateway: the HTTP connection pool and the browser process are
+    shared, while each browse call gets its own browser context (no cookies carried between calls).
+    """
+
+    def __init__(self, settings: ToolsSettings | None = None, *, guard: SSRFGuard | None = None) -> None:
+        self.settings = settings or ToolsSettings()
+        self.guard = guard or SSRFGuard(self.settings.allow_hosts, self.settings.allow_networks)
+        self._http: httpx.AsyncClient | None = None
+        self.browser = BrowserPool(self.settings, self.http_client)
+
+    def http_client(self) -> httpx.AsyncClient:
+        """The guarded client network tools must use (never a client of their own)."""
+        if self._http is None or self._http.is_closed:
+            self._http = guarded_client(
+                self.guard, timeout=self.settings.http_timeout, user_agent=self.settings.user_agent)
+        return self._http
+
+    async def aclose(self) -> None:
+        """Closes the browser and the HTTP client; the context can be used again afterwards."""
+        await self.browser.aclose()
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    async def __aenter__(self) -> ToolContext:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
