@@ -73,6 +73,13 @@ class Gateway:
         return backend
 
     async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()  # release what did start: the store's threads would keep the process alive
+            raise
+
+    async def _start(self) -> None:
         await self.store.start()
         interrupted = await self.agents.interrupt_unfinished()
         if interrupted:

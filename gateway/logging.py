@@ -8,6 +8,16 @@ import sys
 import structlog
 
 
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is at the moment: test runners and CLI runners swap it."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(fmt: str = "auto", level: str = "info") -> None:
     use_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
     renderer = structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer()
@@ -20,6 +30,6 @@ def configure_logging(fmt: str = "auto", level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(_CurrentStderr()),
         cache_logger_on_first_use=True,
     )

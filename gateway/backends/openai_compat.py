@@ -98,7 +98,7 @@ class OpenAICompatBackend:
         content = orjson.dumps(body)
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.settings.max_retries + 1),
-            wait=wait_exponential_jitter(initial=0.05, max=2.0, jitter=0.05),
+            wait=wait_exponential_jitter(multiplier=0.05, max=2.0, jitter=0.05),
             retry=retry_if_exception_type(_Retryable),
             reraise=True,
         )

@@ -5,8 +5,10 @@ Pure functions over dicts; the API layer does the I/O.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Literal
 
+import orjson
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -30,12 +32,21 @@ class _Function(_Open):
     @classmethod
     def _valid_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is not None:
-            try:
-                Draft202012Validator.check_schema(value)
-            except SchemaError as exc:
-                path = "/".join(str(p) for p in exc.path) or "(root)"
-                raise ValueError(f"not a valid JSON Schema at {path}: {exc.message}") from None
+            problem = _schema_problem(orjson.dumps(value, option=orjson.OPT_SORT_KEYS))
+            if problem:
+                raise ValueError(problem)
         return value
+
+
+@lru_cache(maxsize=4096)
+def _schema_problem(schema_json: bytes) -> str | None:
+    """Checking a schema costs hundreds of microseconds; clients resend the same tools every turn."""
+    try:
+        Draft202012Validator.check_schema(orjson.loads(schema_json))
+    except SchemaError as exc:
+        path = "/".join(str(p) for p in exc.path) or "(root)"
+        return f"not a valid JSON Schema at {path}: {exc.message}"
+    return None
 
 
 class _Tool(_Open):

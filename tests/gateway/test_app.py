@@ -38,3 +38,28 @@ async def test_retention_sweeps_old_trajectories_at_start(tmp_path: Path) -> Non
         assert found["calls"][0]["request"]["messages"] == [{"role": "user", "content": "fresh"}]
     finally:
         await gateway.stop()
+
+
+async def test_runs_left_running_are_marked_interrupted_at_start(tmp_path: Path) -> None:
+    from gateway.agent.loop import Profile, RunState
+    from gateway.agent.recording import StoreRecorder
+
+    cfg = tmp_path / "h.toml"
+    cfg.write_text(f'[store]\npath = "{tmp_path / "h.db"}"\n'
+                   '[[backends]]\nname = "u"\nkind = "openai"\nbase_url = "http://127.0.0.1:9/v1"\nmodels = ["m"]\n')
+    settings = load_settings(cfg, environ={})
+    gateway = Gateway(settings)
+    await gateway.store.start()
+    recorder = StoreRecorder(gateway.store, profile=Profile(name="p", model="m"), backend="u")
+    await recorder.start(RunState(run_id="left-running", profile="p", messages=[{"role": "user", "content": "x"}]))
+    await gateway.store.close()  # the gateway died with the run mid-flight
+
+    gateway = Gateway(settings)
+    await gateway.start()
+    try:
+        run = await gateway.store.agent_run("left-running")
+        assert run["status"] == "interrupted"
+        trajectory = await gateway.store.get_trajectory("left-running", all_tenants=True)
+        assert trajectory["status"] == "interrupted"
+    finally:
+        await gateway.stop()

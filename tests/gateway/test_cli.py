@@ -48,3 +48,21 @@ def test_bad_config_is_a_clear_cli_error(tmp_path: Path) -> None:
     cfg.write_text("[server]\nport = 'eighty'\n")
     result = runner.invoke(app, ["trajectories", "list", "--config", str(cfg)])
     assert result.exit_code == 2 and "server.port" in result.stderr
+
+
+def test_run_prints_the_agent_and_records_it(standin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sqlite3
+
+    from tests.processes import upstream_config
+
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "h.toml"
+    cfg.write_text(upstream_config(standin[1], extra='[[profiles]]\nname = "echo"\nmodel = "stand-in-model"\n'
+                                                  'tools = ["calculator"]\n'))
+    result = runner.invoke(app, ["run", "echo", "hello agent", "--config", str(cfg)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "echo: hello agent" in result.stdout and "completed · 1 steps" in result.stdout
+    db = sqlite3.connect(tmp_path / "harness.db")
+    assert db.execute("SELECT profile, status, steps FROM agent_runs").fetchall() == [("echo", "completed", 1)]
+    unknown = runner.invoke(app, ["run", "nope", "x", "--config", str(cfg)])
+    assert unknown.exit_code == 2 and "No agent profile 'nope'" in unknown.stderr
