@@ -83,7 +83,12 @@ def serve(config: str | None = ConfigOption,
                        "be open to anyone. Create one with 'harness keys create --tenant NAME' or bind 127.0.0.1.",
                        err=True)
             raise typer.Exit(2)
-    uvicorn.run(build_app(settings), host=settings.server.host, port=settings.server.port,
+    try:
+        application = build_app(settings)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    uvicorn.run(application, host=settings.server.host, port=settings.server.port,
                 log_level="warning", access_log=False, loop="uvloop", http="httptools",
                 timeout_graceful_shutdown=10)
 
@@ -130,8 +135,8 @@ def run_agent(profile: str = typer.Argument(..., help="An agent profile from the
 
     try:
         state = asyncio.run(main())
-    except APIError as exc:
-        typer.echo(f"error: {exc.message}", err=True)
+    except (APIError, ConfigError) as exc:
+        typer.echo(f"error: {getattr(exc, 'message', exc)}", err=True)
         raise typer.Exit(2) from None
     if as_json:
         typer.echo(orjson.dumps(state.to_dict()).decode())
@@ -197,11 +202,12 @@ def trajectories_list(config: str | None = ConfigOption,
     if as_json:
         typer.echo(orjson.dumps(rows).decode())
         return
-    table = Table("id", "created", "source", "tenant", "model", "status", "calls", "msgs", "tokens", "parent")
+    table = Table("created", "source", "tenant", "model", "status", "calls", "msgs", "tokens", "parent")
+    table.add_column("id", no_wrap=True)
     for r in rows:
-        table.add_row(r["id"], _time(r["created_at"]), r["source"], r["tenant"] or "", r["requested_model"] or "",
+        table.add_row(_time(r["created_at"]), r["source"], r["tenant"] or "", r["requested_model"] or "",
                       r["status"], str(r["n_calls"]), str(r["message_count"]),
-                      str(r["prompt_tokens"] + r["completion_tokens"]), r["parent_id"] or "")
+                      str(r["prompt_tokens"] + r["completion_tokens"]), r["parent_id"] or "", r["id"])
     console.print(table)
 
 

@@ -13,7 +13,7 @@ from gateway.agent.loop import AgentLoop, Event, Profile, RunState
 from gateway.agent.recording import StoreRecorder
 from gateway.auth import Principal
 from gateway.backends.base import Backend
-from gateway.config import ProfileSettings
+from gateway.config import ConfigError, ProfileSettings
 from gateway.errors import APIError
 from replay.store import TrajectoryStore, new_id
 from tools.context import ToolContext
@@ -42,7 +42,8 @@ class AgentService:
         for profile in self.profiles.values():
             missing = [t for t in profile.tools if t not in registry]
             if missing:
-                raise ValueError(f"profile {profile.name!r} names unknown tools: {', '.join(missing)}")
+                raise ConfigError(f"profile {profile.name!r} names unknown tools: {', '.join(missing)} "
+                                  f"(known: {', '.join(registry.names())})")
 
     def profile(self, name: str) -> Profile:
         found = self.profiles.get(name)
@@ -64,8 +65,9 @@ class AgentService:
         recorder = StoreRecorder(self.store, profile=profile, backend=backend.name, tenant=principal.tenant,
                                  key_id=principal.key_id, capture=principal.capture)
         toolbox = Toolbox(self.registry, self.tool_context, profile.tools)
+        # Count context with the backend's own tokenizer where it has one.
         loop = AgentLoop(profile=profile, backend=backend, toolbox=toolbox, recorder=recorder, state=state,
-                         on_event=on_event)
+                         on_event=on_event, token_counter=getattr(backend, "count_tokens", None))
         return loop, recorder
 
     async def run(self, profile_name: str, messages: list[dict[str, Any]], principal: Principal, **kw: Any) -> RunState:

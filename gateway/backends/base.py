@@ -63,6 +63,9 @@ class Backend(Protocol):
 
     async def aclose(self) -> None: ...
 
+    # Optional: ``count_tokens(messages) -> int`` where the backend has a tokenizer (the local one does);
+    # the agent's context budget is counted with it, else approximately.
+
 
 class BackendError(Exception):
     """A backend could not produce a completion; carries the HTTP status and OpenAI error fields."""

@@ -417,6 +417,10 @@ class LocalBackend:
             raise BackendUnavailable("the local model is not loaded", code="not_started")
         return self._loaded
 
+    def count_tokens(self, messages: list[dict[str, Any]]) -> int:
+        """Tokens of ``messages`` as this model is prompted with them (the agent's context budget)."""
+        return len(encode_prompt(self.loaded.tokenizer, messages))
+
     @property
     def forward_passes(self) -> int:
         return self._engine.forward_passes if self._engine else 0

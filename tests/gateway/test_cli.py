@@ -66,3 +66,11 @@ def test_run_prints_the_agent_and_records_it(standin, tmp_path: Path, monkeypatc
     assert db.execute("SELECT profile, status, steps FROM agent_runs").fetchall() == [("echo", "completed", 1)]
     unknown = runner.invoke(app, ["run", "nope", "x", "--config", str(cfg)])
     assert unknown.exit_code == 2 and "No agent profile 'nope'" in unknown.stderr
+
+
+def test_profile_with_an_unknown_tool_is_a_clear_error(tmp_path: Path) -> None:
+    cfg = tmp_path / "h.toml"
+    cfg.write_text('[store]\npath = "h.db"\n[[backends]]\nname = "u"\nkind = "openai"\nbase_url = "http://127.0.0.1:9/v1"\n'
+                   'models = ["m"]\n[[profiles]]\nname = "p"\nmodel = "m"\ntools = ["teleport"]\n')
+    result = runner.invoke(app, ["run", "p", "x", "--config", str(cfg)])
+    assert result.exit_code == 2 and "unknown tools: teleport" in result.stderr

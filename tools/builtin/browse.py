@@ -13,6 +13,7 @@ from playwright.async_api import Error as PlaywrightError
 from playwright.async_api import TimeoutError as PlaywrightTimeout
 
 from gateway.config import ToolsSettings
+from tools.builtin.common import URL_PARAMETERS, put_text
 from tools.context import ToolContext
 from tools.net import fetch
 from tools.spec import ToolError, ToolSpec
@@ -46,12 +47,7 @@ async def _run(arguments: dict[str, Any], context: ToolContext) -> dict[str, Any
     result: dict[str, Any] = {"url": final_url, "status": first.response.status_code, "title": title}
     if blocked:
         result["blocked_requests"] = blocked
-    # Leave room for the fields around the text, so the executor's cap rarely has to cut the JSON itself.
-    limit = max(settings.output_cap - 500 - sum(len(b) for b in blocked), 0)
-    if len(text) > limit:
-        result["truncated"] = True
-    result["text"] = text[:limit]
-    return result
+    return put_text(result, text, settings.output_cap, reserved=sum(len(b) for b in blocked))
 
 
 def build(settings: ToolsSettings) -> ToolSpec:
@@ -61,12 +57,7 @@ def build(settings: ToolsSettings) -> ToolSpec:
             "Open a public web page in a real browser (JavaScript runs) and get its title and visible text. "
             "Requests the page makes to private or local addresses are blocked and listed."
         ),
-        parameters={
-            "type": "object",
-            "properties": {"url": {"type": "string", "minLength": 1, "description": "an http:// or https:// URL"}},
-            "required": ["url"],
-            "additionalProperties": False,
-        },
+        parameters=URL_PARAMETERS,
         run=_run,
         timeout=settings.browser_timeout,
         output_cap=settings.output_cap,

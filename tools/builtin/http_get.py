@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from gateway.config import ToolsSettings
+from tools.builtin.common import URL_PARAMETERS, put_text
 from tools.context import ToolContext
 from tools.net import fetch
 from tools.spec import ToolSpec
@@ -41,12 +42,7 @@ async def _run(arguments: dict[str, Any], context: ToolContext) -> dict[str, Any
         text = fetched.body.decode(response.encoding or "utf-8", errors="replace")
     except LookupError:  # a charset Python does not know
         text = fetched.body.decode("utf-8", errors="replace")
-    # Leave room for the fields around the text, so the executor's cap rarely has to cut the JSON itself.
-    limit = max(settings.output_cap - 500, 0)
-    if fetched.truncated or len(text) > limit:
-        result["truncated"] = True
-    result["text"] = text[:limit]
-    return result
+    return put_text(result, text, settings.output_cap, cut=fetched.truncated)
 
 
 def build(settings: ToolsSettings) -> ToolSpec:
@@ -56,12 +52,7 @@ def build(settings: ToolsSettings) -> ToolSpec:
             "Fetch a public http(s) URL and get its status, content type and body (parsed when JSON, "
             "raw text otherwise, e.g. HTML source). Use browse to read a web page as rendered text."
         ),
-        parameters={
-            "type": "object",
-            "properties": {"url": {"type": "string", "minLength": 1, "description": "an http:// or https:// URL"}},
-            "required": ["url"],
-            "additionalProperties": False,
-        },
+        parameters=URL_PARAMETERS,
         run=_run,
         timeout=settings.http_timeout,
         output_cap=settings.output_cap,

@@ -412,3 +412,12 @@ async def test_a_missing_model_fails_start_with_503(tmp_path: Path) -> None:
     with pytest.raises(BackendUnavailable) as info:
         await b.start()
     assert info.value.status_code == 503
+
+
+async def test_count_tokens_matches_the_prompt_it_would_run(backend: LocalBackend) -> None:
+    from gateway.prompting import encode_prompt
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there, model"}]
+    assert backend.count_tokens(messages) == len(encode_prompt(backend.loaded.tokenizer, messages))
+    assert backend.count_tokens(messages + [{"role": "assistant", "content": "hi " * 50}]) > \
+        backend.count_tokens(messages) + 40
