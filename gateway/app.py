@@ -16,7 +16,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.agent.service import AgentService
-from gateway.api import agent, chat, health, models, trajectories
+from gateway.api import agent, chat, health, models, responses, trajectories
 from gateway.auth import Authenticator
 from gateway.backends import build_backend
 from gateway.backends.base import Backend
@@ -187,6 +187,8 @@ def build_app(settings: Settings) -> Starlette:
 
     routes = [
         Route("/v1/chat/completions", chat.chat_completions, methods=["POST"], name="chat"),
+        Route("/v1/responses", responses.create_response, methods=["POST"], name="responses"),
+        Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"], name="response"),
         Route("/v1/agent/runs", agent.create_run, methods=["POST"], name="agent_runs"),
         Route("/v1/agent/runs/{run_id}", agent.get_run, methods=["GET"], name="agent_run"),
         Route("/v1/models", models.list_models, methods=["GET"], name="models"),

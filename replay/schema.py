@@ -123,6 +123,18 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX agent_runs_status ON agent_runs(status);
     """,
+    # 3: Responses API objects kept with store=true, to fetch them or continue with previous_response_id.
+    """
+    CREATE TABLE responses (
+        id TEXT PRIMARY KEY,
+        trajectory_id TEXT REFERENCES trajectories(id) ON DELETE CASCADE,
+        tenant TEXT,
+        body TEXT NOT NULL,
+        messages TEXT NOT NULL,
+        created_at REAL NOT NULL
+    );
+    CREATE INDEX responses_trajectory ON responses(trajectory_id);
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)

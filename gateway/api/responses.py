@@ -1,0 +1,202 @@
+"""``POST /v1/responses`` (the Responses API, which Codex CLI speaks) and ``GET /v1/responses/{id}``.
+
+Requests are translated to chat completions (``gateway/protocol/responses.py``, pure) and run through
+the same exchange as ``/v1/chat/completions``: routing, stitching, the proxy guard and capture. ``store``
+decides only whether a response can be fetched or continued with ``previous_response_id``; capture
+follows the gateway's own settings whatever ``store`` says.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.agent.service import AGENT_PREFIX
+from gateway.api.common import read_json_body
+from gateway.api.exchange import TRAJECTORY_HEADER, Relay, complete, open_exchange, open_stream
+from gateway.auth import Principal
+from gateway.backends.base import ChatResult
+from gateway.errors import APIError
+from gateway.protocol.chat import validate_chat_request
+from gateway.protocol.responses import (
+    ResponseStream,
+    ToolMap,
+    chat_to_response,
+    conversation_messages,
+    failure_code,
+    output_to_chat_messages,
+    responses_to_chat,
+    validate_responses_request,
+)
+from gateway.protocol.sse import encode_named_event
+from gateway.streaming import EventStreamResponse
+from replay.store import TrajectoryStore, WriteOp, new_id
+
+
+def _json(value: Any, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(value), media_type="application/json", headers=headers)
+
+
+def _frames(events: list[dict[str, Any]]) -> bytes:
+    return b"".join(encode_named_event(e["type"], e) for e in events)
+
+
+class _Kept:
+    """Where a ``store: true`` response goes: with its exchange's commit, or alone when capture is off."""
+
+    def __init__(self, body: dict[str, Any], chat_body: dict[str, Any], tool_map: ToolMap,
+                 trajectory_id: str, principal: Principal) -> None:
+        self.wanted = body.get("store", True) is not False
+        self.body = body
+        self.chat_body = chat_body
+        self.tool_map = tool_map
+        self.trajectory_id = trajectory_id
+        self.principal = principal
+
+    def _statement(self, response: dict[str, Any], trajectory_id: str | None) -> tuple[str, tuple[Any, ...]]:
+        # The history a continuation starts from: without this request's instructions, which do not carry over.
+        messages = conversation_messages(self.chat_body, self.body) + output_to_chat_messages(response, self.tool_map)
+        return TrajectoryStore.response_statement(response, trajectory_id=trajectory_id,
+                                                  tenant=self.principal.tenant, messages=messages)
+
+    def statements(self, response: dict[str, Any]) -> list[tuple[str, tuple[Any, ...]]]:
+        if not self.wanted or not self.principal.capture:
+            return []
+        return [self._statement(response, self.trajectory_id)]
+
+    async def without_capture(self, store: TrajectoryStore, response: dict[str, Any]) -> None:
+        """A key that is not recorded may still ask to keep a response it wants to continue."""
+        if self.wanted and not self.principal.capture:
+            await store.write(WriteOp(statements=[self._statement(response, None)]))
+
+
+async def create_response(request: Request) -> Response:
+    gateway = request.app.state.gateway
+    principal = await gateway.auth.authenticate(request.headers)
+    body = await read_json_body(request, gateway.settings.server.max_body_bytes)
+    validate_responses_request(body)
+    history = None
+    previous = body.get("previous_response_id")
+    if previous:
+        found = await gateway.store.get_response(previous, tenant=principal.tenant, all_tenants=principal.admin)
+        if found is None:
+            raise APIError(404, f"Previous response with id '{previous}' not found.", param="previous_response_id",
+                           code="previous_response_not_found")
+        history = found["messages"]
+    chat_body, tool_map = responses_to_chat(body, history)
+    stream = bool(body.get("stream"))
+    chat_body["stream"] = stream
+    if stream:
+        chat_body["stream_options"] = {"include_usage": True}
+    parsed = validate_chat_request(chat_body)
+    response_id = f"resp_{new_id().lower()}"
+    created_at = int(time.time())
+    if tool_map.dropped:
+        request.scope["state"]["log"]["dropped_tools"] = [t.get("type") for t in tool_map.dropped]
+
+    if parsed.model.startswith(AGENT_PREFIX):
+        return await _agent_response(request, principal, body, chat_body, tool_map, response_id, created_at)
+
+    exchange = await open_exchange(request, principal, chat_body, parsed, session_body=body)
+    kept = _Kept(body, chat_body, tool_map, exchange.ref.id, principal)
+    if not stream:
+        def statements_for(result: ChatResult) -> list[tuple[str, tuple[Any, ...]]]:
+            return kept.statements(_translate(result.response))
+
+        def _translate(completion: dict[str, Any]) -> dict[str, Any]:
+            return chat_to_response(completion, response_id=response_id, request=body, tool_map=tool_map,
+                                    created_at=created_at)
+
+        result = await complete(request, exchange, statements_for)
+        response = _translate(result.response)
+        await kept.without_capture(gateway.store, response)
+        return _json(response, headers=exchange.headers)
+
+    upstream = await open_stream(request, exchange)
+    relay = Relay(request, exchange, upstream, include_usage=True)
+    events = ResponseStream(response_id=response_id, request=body, tool_map=tool_map, created_at=created_at)
+    return EventStreamResponse(_stream(relay, events, kept, gateway.store), headers=exchange.headers)
+
+
+async def _stream(relay: Relay, events: ResponseStream, kept: _Kept, store: TrajectoryStore) -> AsyncIterator[bytes]:
+    """Events as the chunks come; ``response.completed`` (or ``response.failed``) only after the commit."""
+    try:
+        yield _frames(events.start())
+        async for chunk in relay.chunks():
+            out = events.feed(chunk)
+            if out:
+                yield _frames(out)
+    finally:
+        await relay.close()
+    tail: list[dict[str, Any]] = []
+    for chunk in relay.held:
+        tail += events.feed(chunk)
+    if relay.status == "error":
+        tail += events.fail(failure_code(relay.error_status, relay.error or ""), relay.error or "the backend failed")
+    else:
+        tail += events.finish()
+    await relay.commit(kept.statements(events.response))
+    await kept.without_capture(store, events.response)
+    yield _frames(tail)
+
+
+async def _agent_response(request: Request, principal: Principal, body: dict[str, Any], chat_body: dict[str, Any],
+                          tool_map: ToolMap, response_id: str, created_at: int) -> Response:
+    """An agent profile behind the Responses API: the run goes to completion, then answers as one response
+    (streamed as the events of that answer when asked), with the ``harness`` object on it."""
+    gateway = request.app.state.gateway
+    profile = chat_body["model"][len(AGENT_PREFIX):]
+    messages = [m for m in chat_body["messages"] if m.get("role") != "system"] or chat_body["messages"]
+    loop, recorder = gateway.agents.prepare(profile, messages, principal)
+    request.scope["state"]["log"].update(model=chat_body["model"], trajectory_id=loop.state.run_id)
+    await recorder.start(loop.state)
+    state = await loop.run()
+    harness = state.harness()
+    completion = {"id": f"chatcmpl-{state.run_id}", "object": "chat.completion", "created": created_at,
+                  "model": chat_body["model"], "usage": harness["usage"],
+                  "choices": [{"index": 0, "message": {"role": "assistant", "content": state.final or ""},
+                               "finish_reason": "stop"}]}
+    headers = {TRAJECTORY_HEADER: state.run_id}
+    kept = _Kept(body, chat_body, tool_map, state.run_id, principal)
+    if not body.get("stream"):
+        response = chat_to_response(completion, response_id=response_id, request=body, tool_map=tool_map,
+                                    created_at=created_at)
+        response["harness"] = harness
+        await _keep_alone(gateway.store, kept, response)
+        return _json(response, headers=headers)
+    events = ResponseStream(response_id=response_id, request=body, tool_map=tool_map, created_at=created_at)
+    out = events.start()
+    base = {k: completion[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    for delta, finish in (({"role": "assistant", "content": state.final or ""}, None), ({}, "stop")):
+        out += events.feed({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+    out += events.feed({**base, "choices": [], "usage": harness["usage"]})
+    out += events.finish()
+    out[-1]["response"]["harness"] = harness
+    await _keep_alone(gateway.store, kept, events.response)
+
+    async def once() -> AsyncIterator[bytes]:
+        yield _frames(out)
+
+    return EventStreamResponse(once(), headers=headers)
+
+
+async def _keep_alone(store: TrajectoryStore, kept: _Kept, response: dict[str, Any]) -> None:
+    statements = kept.statements(response)
+    if statements:
+        await store.write(WriteOp(statements=statements))
+    await kept.without_capture(store, response)
+
+
+async def get_response(request: Request) -> Response:
+    gateway = request.app.state.gateway
+    principal = await gateway.auth.authenticate(request.headers)
+    response_id = request.path_params["response_id"]
+    found = await gateway.store.get_response(response_id, tenant=principal.tenant, all_tenants=principal.admin)
+    if found is None:
+        raise APIError(404, f"Response with id '{response_id}' not found.", code="not_found")
+    return _json(found["body"])
