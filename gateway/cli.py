@@ -16,6 +16,7 @@ from rich.table import Table
 
 from gateway.auth import hash_secret, new_secret
 from gateway.config import ConfigError, Settings, load_settings
+from replay.cli import app as replay_app
 from replay.store import TrajectoryStore
 
 T = TypeVar("T")
@@ -26,6 +27,7 @@ keys_app = typer.Typer(help="API keys (stored hashed, one tenant each).", no_arg
 traj_app = typer.Typer(help="Captured trajectories.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 app.add_typer(traj_app, name="trajectories")
+app.add_typer(replay_app, name="replay")
 
 console = Console()
 ConfigOption = typer.Option(None, "--config", "-c", help="TOML config file (default: $HARNESS_CONFIG).")

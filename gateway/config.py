@@ -6,7 +6,9 @@ This is the only module that reads the environment. Everything else receives a `
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -50,6 +52,9 @@ class StoreSettings(_Section):
     max_batch: int = Field(256, gt=0, description="Most records committed in one transaction.")
     max_queue: int = Field(100_000, gt=0, description="Pending records before requests wait (backpressure).")
     commit_delay_ms: float = Field(0.0, ge=0, description="Injected delay before each commit (tests only).")
+    redact_defaults: bool = Field(True, description="Exports remove API keys, bearer tokens and e-mail addresses.")
+    redact_patterns: list[str] = Field(default_factory=list,
+                                       description="More regular expressions whose matches exports redact.")
 
 
 class BackendSettings(_Section):
@@ -132,15 +137,46 @@ class ProfileSettings(_Section):
     max_tokens: int | None = Field(None, ge=1, description="Per model call.")
 
 
+class RewardSettings(BaseModel):
+    """Weights of the reward engine's signals (``replay/rewards.py``). Every signal is a number in [0, 1];
+    a negative weight makes a signal a penalty. Any other key is the weight of a signal registered by name."""
+
+    model_config = ConfigDict(extra="allow")
+
+    task_success: float = Field(1.0, allow_inf_nan=False, description="Verifier verdict, else user feedback.")
+    process_validity: float = Field(0.3, allow_inf_nan=False,
+                                    description="Valid tool calls times successful results used later.")
+    illegal_action_penalty: float = Field(-1.0, allow_inf_nan=False,
+                                          description="Steps with invalid or refused calls; 1 on loop or "
+                                          "budget terminations.")
+    efficiency: float = Field(0.1, allow_inf_nan=False, description="Fewer steps, scaled by the step limit.")
+
+    @model_validator(mode="after")
+    def _check_extra_weights(self) -> RewardSettings:
+        extra = self.__pydantic_extra__ or {}
+        for name, value in list(extra.items()):
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.\-]*", name):
+                raise ValueError(f"{name!r} is not a signal name")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"the weight of signal {name!r} must be a finite number, got {value!r}")
+            extra[name] = float(value)
+        return self
+
+    def weights(self) -> dict[str, float]:
+        """Every configured weight: the four built-in signals, then registered ones by name."""
+        return {**{name: getattr(self, name) for name in type(self).model_fields},
+                **(self.__pydantic_extra__ or {})}
+
+
 class Settings(_Section):
     server: ServerSettings = Field(default_factory=ServerSettings)
     store: StoreSettings = Field(default_factory=StoreSettings)
     backends: list[BackendSettings] = Field(default_factory=list)
     tools: ToolsSettings = Field(default_factory=ToolsSettings)
-    # Reserved for later work; accepted as free-form tables so configs stay forward compatible.
     profiles: list[ProfileSettings] = Field(default_factory=list)
+    rewards: RewardSettings = Field(default_factory=RewardSettings)
+    # Reserved for later work; accepted as free-form tables so configs stay forward compatible.
     routing: dict[str, Any] = Field(default_factory=dict)
-    rewards: dict[str, Any] = Field(default_factory=dict)
     training: dict[str, Any] = Field(default_factory=dict)
     bot: dict[str, Any] = Field(default_factory=dict)
 

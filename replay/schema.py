@@ -135,6 +135,22 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX responses_trajectory ON responses(trajectory_id);
     """,
+    # 4: rewards and labels from users, verifiers and the reward engine; model_call_seq names the step
+    # (the model call's seq) a row belongs to, for per-step credit, and is NULL for the whole trajectory.
+    """
+    CREATE TABLE feedback (
+        id TEXT PRIMARY KEY,
+        trajectory_id TEXT NOT NULL REFERENCES trajectories(id) ON DELETE CASCADE,
+        model_call_seq INTEGER,
+        source TEXT NOT NULL,
+        name TEXT NOT NULL,
+        value REAL,
+        label TEXT,
+        comment TEXT,
+        created_at REAL NOT NULL
+    );
+    CREATE INDEX feedback_trajectory ON feedback(trajectory_id, source, name);
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -604,6 +604,74 @@ class TrajectoryStore:
             return None
         return {"body": orjson.loads(row["body"]), "messages": orjson.loads(row["messages"])}
 
+    # -- feedback and rewards ---------------------------------------------------------------------
+
+    @staticmethod
+    def feedback_statement(trajectory_id: str, *, source: str, name: str, value: float | None = None,
+                           label: str | None = None, comment: str | None = None,
+                           model_call_seq: int | None = None,
+                           created_at: float | None = None) -> tuple[str, tuple[Any, ...]]:
+        """The statement adding one feedback row (a reward or a label) to a ``WriteOp``.
+
+        It inserts nothing when the trajectory is gone, so a concurrent delete never fails the batch
+        it commits with.
+        """
+        return ("INSERT INTO feedback(id, trajectory_id, model_call_seq, source, name, value, label, comment, "
+                "created_at) SELECT ?, ?, ?, ?, ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM trajectories WHERE id = ?)",
+                (new_id(), trajectory_id, model_call_seq, source, name, value, label, comment,
+                 time.time() if created_at is None else created_at, trajectory_id))
+
+    @staticmethod
+    def replace_feedback_statements(trajectory_id: str, source: str, rows: list[dict[str, Any]],
+                                    final_reward: float | None = None, *,
+                                    set_final_reward: bool = False) -> list[tuple[str, tuple[Any, ...]]]:
+        """Statements replacing every row of ``source`` for a trajectory (recomputing is idempotent) and,
+        with ``set_final_reward``, its ``final_reward``. Each row: name, value, label, comment, model_call_seq."""
+        now = time.time()
+        out: list[tuple[str, tuple[Any, ...]]] = [
+            ("DELETE FROM feedback WHERE trajectory_id = ? AND source = ?", (trajectory_id, source))]
+        out.extend(TrajectoryStore.feedback_statement(
+            trajectory_id, source=source, name=r["name"], value=r.get("value"), label=r.get("label"),
+            comment=r.get("comment"), model_call_seq=r.get("model_call_seq"), created_at=now) for r in rows)
+        if set_final_reward:
+            # updated_at is left alone: stitching orders a session's trajectories by it.
+            out.append(("UPDATE trajectories SET final_reward = ? WHERE id = ?", (final_reward, trajectory_id)))
+        return out
+
+    async def add_feedback(self, trajectory_id: str, *, source: str, name: str, value: float | None = None,
+                           label: str | None = None, comment: str | None = None,
+                           model_call_seq: int | None = None) -> None:
+        """Record one feedback row (a user's thumbs, a verifier's verdict, ...) through the writer."""
+        await self.write(WriteOp(statements=[self.feedback_statement(
+            trajectory_id, source=source, name=name, value=value, label=label, comment=comment,
+            model_call_seq=model_call_seq)]))
+
+    async def feedback_rows(self, trajectory_id: str, *, source: str | None = None) -> list[dict[str, Any]]:
+        """A trajectory's feedback rows, oldest first (then by id, so the order is stable)."""
+        assert self._reader is not None
+        sql = "SELECT * FROM feedback WHERE trajectory_id = ?"
+        args: list[Any] = [trajectory_id]
+        if source is not None:
+            sql += " AND source = ?"
+            args.append(source)
+        async with self._reader.execute(sql + " ORDER BY created_at, id", args) as cur:
+            return [dict(r) for r in await cur.fetchall()]
+
+    async def tool_call_rows(self, trajectory_id: str) -> list[dict[str, Any]]:
+        """A trajectory's tool calls in the order they were made (``step`` is the model call's seq)."""
+        assert self._reader is not None
+        async with self._reader.execute(
+                "SELECT * FROM tool_calls WHERE trajectory_id = ? ORDER BY step, created_at, rowid",
+                (trajectory_id,)) as cur:
+            return [dict(r) for r in await cur.fetchall()]
+
+    async def select_ids(self, filters: Any) -> list[str]:
+        """Ids of the trajectories a ``replay.filters.Filters`` selects, oldest first."""
+        assert self._reader is not None
+        where, args = filters.where("t")
+        async with self._reader.execute(f"SELECT t.id FROM trajectories t WHERE {where} ORDER BY t.id", args) as cur:
+            return [r[0] for r in await cur.fetchall()]
+
     # -- agent runs -------------------------------------------------------------------------------
 
     async def agent_run(self, run_id: str) -> dict[str, Any] | None:

@@ -72,10 +72,17 @@ def test_example_configs_load() -> None:
 
 
 def test_every_setting_is_documented() -> None:
-    from gateway.config import BackendSettings, ProfileSettings, ServerSettings, StoreSettings, ToolsSettings
+    from gateway.config import (
+        BackendSettings,
+        ProfileSettings,
+        RewardSettings,
+        ServerSettings,
+        StoreSettings,
+        ToolsSettings,
+    )
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
-    for model in (ServerSettings, StoreSettings, BackendSettings, ToolsSettings, ProfileSettings):
+    for model in (ServerSettings, StoreSettings, BackendSettings, ToolsSettings, ProfileSettings, RewardSettings):
         for name, field in model.model_fields.items():
             if not field.exclude:
                 assert f"| `{name}` |" in doc, f"{model.__name__}.{name} is missing from docs/configuration.md"
