@@ -21,7 +21,7 @@ from gateway.auth import Authenticator
 from gateway.backends import build_backend
 from gateway.backends.base import Backend
 from gateway.config import Settings
-from gateway.errors import APIError, error_response
+from gateway.errors import APIError, error_response, model_not_found
 from gateway.metrics import Metrics
 from replay.store import TrajectoryStore
 from tools.context import ToolContext
@@ -68,8 +68,7 @@ class Gateway:
     def backend_for(self, model: str) -> Backend:
         backend = self.model_map.get(model)
         if backend is None:
-            raise APIError(404, f"The model '{model}' does not exist or you do not have access to it.",
-                           param="model", code="model_not_found")
+            raise model_not_found(f"The model '{model}' does not exist or you do not have access to it.")
         return backend
 
     async def start(self) -> None:

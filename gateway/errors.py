@@ -26,6 +26,11 @@ class APIError(Exception):
         return error_body(self.message, self.error_type, self.param, self.code)
 
 
+def model_not_found(message: str) -> APIError:
+    """OpenAI's answer to a model name nobody serves."""
+    return APIError(404, message, param="model", code="model_not_found")
+
+
 def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 

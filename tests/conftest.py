@@ -1,10 +1,11 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
+from replay.store import TrajectoryStore
 from tests.processes import GatewayProcess, upstream_config
 from tests.standin import ServerThread, StandIn
 
@@ -23,3 +24,12 @@ def gateway(standin: tuple[StandIn, str], tmp_path: Path) -> Iterator[GatewayPro
     proc = GatewayProcess(upstream_config(standin[1]), tmp_path).start()
     yield proc
     proc.stop()
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[TrajectoryStore]:
+    """A real trajectory store on a fresh SQLite file, started and closed around the test."""
+    s = TrajectoryStore(str(tmp_path / "store.db"))
+    await s.start()
+    yield s
+    await s.close()

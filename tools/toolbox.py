@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from tools.context import ToolContext
-from tools.executor import ToolOutcome, execute, validate_arguments
+from tools.executor import ToolOutcome, execute
 from tools.registry import ToolRegistry
 from tools.spec import ToolSpec
 
@@ -27,13 +27,6 @@ class Toolbox:
 
     def openai_tools(self) -> list[dict[str, Any]]:
         return self.registry.openai_tools()
-
-    def validate(self, name: str, arguments: Any) -> list[str]:
-        """What is wrong with a call (unknown tool, arguments against the schema); empty when it may run."""
-        spec = self.registry.get(name)
-        if spec is None:
-            return [f"no tool named {name!r} (available: {', '.join(self.registry.names()) or 'none'})"]
-        return validate_arguments(spec, arguments)
 
     async def execute(self, name: str, arguments: dict[str, Any]) -> ToolOutcome:
         """Runs an allowed tool; an unknown name is an error outcome, never an exception."""

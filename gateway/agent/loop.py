@@ -19,7 +19,16 @@ from typing import Any, Protocol
 import structlog
 
 from gateway.agent import context as ctx
-from gateway.agent.limits import BACKEND_ERROR, Budget, Guard, Limits, Termination, call_signature
+from gateway.agent.limits import (
+    BACKEND_ERROR,
+    CLIENT_DISCONNECTED,
+    DEADLINE,
+    Budget,
+    Guard,
+    Limits,
+    Termination,
+    call_signature,
+)
 from gateway.agent.parsing import parse_message
 from gateway.agent.validation import CheckedCall, check_call
 from gateway.backends.base import Backend, BackendError, ChatRequest, ChatResult
@@ -135,7 +144,7 @@ class AgentLoop:
         self.count_tokens = token_counter or ctx.approximate_tokens
         self.on_event = on_event
         # How a cancelled run is recorded: a streaming client that left, or a gateway shutting down.
-        self.cancelled_as: tuple[str, str | None] = ("terminated", "client_disconnected")
+        self.cancelled_as: tuple[str, str | None] = ("terminated", CLIENT_DISCONNECTED)
 
     # -- the run ----------------------------------------------------------------------------------
 
@@ -160,7 +169,7 @@ class AgentLoop:
         await self._maybe_summarize(record)
         body = self._body(self.profile.tools and self.toolbox.openai_tools())
         result = await self._call_model(record, body, CALL_MODEL)
-        message = (result.response.get("choices") or [{}])[0].get("message") or {"role": "assistant"}
+        message = result.message or {"role": "assistant"}
 
         self._emit(record, PARSE)
         parsed = parse_message(message)
@@ -254,7 +263,7 @@ class AgentLoop:
         except TimeoutError:
             record.error = "the deadline passed during the model call"
             await self._persist(record)
-            raise Termination("deadline", record.error) from None
+            raise Termination(DEADLINE, record.error) from None
         except BackendError as exc:
             record.error = exc.message
             record.latency_ms = (time.perf_counter() - started) * 1000
@@ -292,7 +301,7 @@ class AgentLoop:
             usage = result.response.get("usage") or {}
             self.state.budget.prompt_tokens += int(usage.get("prompt_tokens") or 0)
             self.state.budget.completion_tokens += int(usage.get("completion_tokens") or 0)
-            text = ((result.response.get("choices") or [{}])[0].get("message") or {}).get("content") or ""
+            text = result.message.get("content") or ""
         except BackendError as exc:
             summary_record.error = exc.message
             text = ""
@@ -310,8 +319,7 @@ class AgentLoop:
             state.messages.append({"role": "user", "content": WRAP_UP.format(detail=stop.detail)})
             try:
                 result = await self._call_model(record, self._body(None), CALL_MODEL)
-                message = (result.response.get("choices") or [{}])[0].get("message") or {}
-                state.final = parse_message(message).content or ""
+                state.final = parse_message(result.message).content or ""
                 state.messages.append({"role": "assistant", "content": state.final})
             except Termination:
                 state.status, state.termination_reason = "terminated", stop.reason

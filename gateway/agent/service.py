@@ -14,7 +14,7 @@ from gateway.agent.recording import StoreRecorder
 from gateway.auth import Principal
 from gateway.backends.base import Backend
 from gateway.config import ConfigError, ProfileSettings
-from gateway.errors import APIError
+from gateway.errors import model_not_found
 from replay.store import TrajectoryStore, new_id
 from tools.context import ToolContext
 from tools.registry import ToolRegistry
@@ -48,8 +48,8 @@ class AgentService:
     def profile(self, name: str) -> Profile:
         found = self.profiles.get(name)
         if found is None:
-            raise APIError(404, f"No agent profile '{name}'. Configured: {', '.join(sorted(self.profiles)) or 'none'}.",
-                           param="model", code="model_not_found")
+            raise model_not_found(f"No agent profile '{name}'. "
+                                  f"Configured: {', '.join(sorted(self.profiles)) or 'none'}.")
         return found
 
     def prepare(self, profile_name: str, messages: list[dict[str, Any]], principal: Principal, *,

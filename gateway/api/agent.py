@@ -12,23 +12,18 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.agent.loop import EXECUTE, OBSERVE, Event, RunState
 from gateway.agent.service import AGENT_PREFIX, LIMIT_KEYS
-from gateway.api.common import read_json_body
+from gateway.api.common import json_response, read_json_body
 from gateway.api.exchange import TRAJECTORY_HEADER
 from gateway.auth import Principal
 from gateway.errors import APIError
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.protocol.sse import DONE, encode_event
 from gateway.streaming import EventStreamResponse
-
-
-def _json(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(value), status_code=status, media_type="application/json", headers=headers)
 
 
 def _completion(state: RunState, model: str, created: int) -> dict[str, Any]:
@@ -61,7 +56,7 @@ async def agent_chat(request: Request, principal: Principal, parsed: ChatComplet
         await recorder.start(loop.state)
         state = await loop.run()
         log_fields.update(agent_status=state.status, termination_reason=state.termination_reason)
-        return _json(_completion(state, parsed.model, created), headers={TRAJECTORY_HEADER: state.run_id})
+        return json_response(_completion(state, parsed.model, created), headers={TRAJECTORY_HEADER: state.run_id})
 
     queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     loop, recorder = gateway.agents.prepare(profile_name, messages, principal,
@@ -134,7 +129,7 @@ async def create_run(request: Request) -> Response:
     await recorder.start(loop.state)
     gateway.spawn(loop.run(), cancel_on_stop=True)
     request.scope["state"]["log"]["trajectory_id"] = loop.state.run_id
-    return _json({"id": loop.state.run_id, "object": "agent.run", "profile": profile, "status": "running"},
+    return json_response({"id": loop.state.run_id, "object": "agent.run", "profile": profile, "status": "running"},
                  status=201, headers={TRAJECTORY_HEADER: loop.state.run_id})
 
 
@@ -145,4 +140,4 @@ async def get_run(request: Request) -> Response:
     found = await gateway.agents.get(run_id, principal)
     if found is None:
         raise APIError(404, f"No agent run '{run_id}'.", code="not_found")
-    return _json(found, headers={TRAJECTORY_HEADER: run_id})
+    return json_response(found, headers={TRAJECTORY_HEADER: run_id})

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.agent.service import AGENT_PREFIX
 from gateway.api.agent import agent_chat
-from gateway.api.common import read_json_body
+from gateway.api.common import json_response, read_json_body
 from gateway.api.exchange import Relay, complete, open_exchange, open_stream
 from gateway.errors import error_body
 from gateway.protocol.chat import validate_chat_request
@@ -28,7 +27,7 @@ async def chat_completions(request: Request) -> Response:
     exchange = await open_exchange(request, principal, body, parsed)
     if not parsed.stream:
         result = await complete(request, exchange)
-        return Response(orjson.dumps(result.response), media_type="application/json", headers=exchange.headers)
+        return json_response(result.response, headers=exchange.headers)
     stream = await open_stream(request, exchange)
     wants_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
     relay = Relay(request, exchange, stream, include_usage=wants_usage)

@@ -6,6 +6,7 @@ from typing import Any
 
 import orjson
 from starlette.requests import Request
+from starlette.responses import Response
 
 from gateway.errors import APIError
 
@@ -30,3 +31,8 @@ async def read_json_body(request: Request, limit: int) -> Any:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise APIError(400, f"Request body is not valid JSON: {exc}.", code="invalid_json") from None
+
+
+def json_response(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """A JSON body encoded with orjson (several times faster than the standard library on large bodies)."""
+    return Response(orjson.dumps(value), status_code=status, media_type="application/json", headers=headers)

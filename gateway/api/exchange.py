@@ -67,7 +67,6 @@ class Exchange:
                tool_calls: list[dict[str, Any]] | None = None) -> CallRecord:
         """The record of one backend call; ``messages`` when a guard retry sent other messages than the client."""
         usage = (response or {}).get("usage") or {}
-        extras = result_extras
         return CallRecord(
             trajectory=self.ref,
             request_messages=messages if messages is not None else self.body["messages"],
@@ -88,9 +87,9 @@ class Exchange:
             completion_tokens=int(usage.get("completion_tokens") or 0),
             latency_ms=(time.perf_counter() - self.started) * 1000,
             ttft_ms=ttft_ms,
-            prompt_token_ids=getattr(extras, "prompt_token_ids", None),
-            completion_token_ids=getattr(extras, "completion_token_ids", None),
-            completion_logprobs=getattr(extras, "completion_logprobs", None),
+            prompt_token_ids=getattr(result_extras, "prompt_token_ids", None),
+            completion_token_ids=getattr(result_extras, "completion_token_ids", None),
+            completion_logprobs=getattr(result_extras, "completion_logprobs", None),
         )
 
 
@@ -153,10 +152,6 @@ async def _save(request: Request, exchange: Exchange, records: list[CallRecord],
         await request.app.state.gateway.store.write(WriteOp(records=records, statements=statements or []))
 
 
-def _first_message(result: ChatResult) -> dict[str, Any]:
-    return ((result.response.get("choices") or [{}])[0].get("message")) or {}
-
-
 async def _guard(request: Request, exchange: Exchange, result: ChatResult, records: list[CallRecord]) -> ChatResult:
     """Proxy mode: send invalid tool calls back to the model (up to the configured retries) before the
     client sees them; appends the record of every call made, the first included."""
@@ -164,7 +159,7 @@ async def _guard(request: Request, exchange: Exchange, result: ChatResult, recor
     sent = exchange.body["messages"]
     retries = request.app.state.gateway.settings.server.guard_retries
     for attempt in range(retries + 1):
-        checked = guard.check_message(_first_message(result), schemas) if schemas else []
+        checked = guard.check_message(result.message, schemas) if schemas else []
         invalid = [c for c in checked if not c.valid]
         retry = bool(invalid) and attempt < retries
         records.append(exchange.record(status="ok", response=result.response, result_extras=result.extras,
@@ -174,7 +169,7 @@ async def _guard(request: Request, exchange: Exchange, result: ChatResult, recor
             if invalid:
                 request.scope["state"]["log"]["invalid_tool_calls"] = len(invalid)
             return result
-        sent = guard.retry_messages(sent, _first_message(result), checked)
+        sent = guard.retry_messages(sent, result.message, checked)
         result = await exchange.backend.chat(ChatRequest(body={**exchange.body, "messages": sent},
                                                          model=exchange.parsed.model))
     return result
@@ -264,7 +259,7 @@ class Relay:
             records: list[CallRecord] = []
             try:
                 result = await _guard(self.request, exchange, first, records)
-                calls = _first_message(result).get("tool_calls")
+                calls = result.message.get("tool_calls")
                 if calls:
                     self.held.insert(0, _tool_call_chunk(template, calls))
             except BackendError as exc:

@@ -7,7 +7,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.errors import APIError
+from gateway.errors import model_not_found
 
 _CREATED = 1_700_000_000
 
@@ -30,5 +30,5 @@ async def get_model(request: Request) -> Response:
     model = request.path_params["model"]
     backend = gateway.model_map.get(model)
     if backend is None:
-        raise APIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
+        raise model_not_found(f"The model '{model}' does not exist.")
     return JSONResponse(_card(model, backend.name))

@@ -12,12 +12,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.agent.service import AGENT_PREFIX
-from gateway.api.common import read_json_body
+from gateway.api.common import json_response, read_json_body
 from gateway.api.exchange import TRAJECTORY_HEADER, Relay, complete, open_exchange, open_stream
 from gateway.auth import Principal
 from gateway.backends.base import ChatResult
@@ -36,10 +35,6 @@ from gateway.protocol.responses import (
 from gateway.protocol.sse import encode_named_event
 from gateway.streaming import EventStreamResponse
 from replay.store import TrajectoryStore, WriteOp, new_id
-
-
-def _json(value: Any, headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(value), media_type="application/json", headers=headers)
 
 
 def _frames(events: list[dict[str, Any]]) -> bytes:
@@ -115,7 +110,7 @@ async def create_response(request: Request) -> Response:
         result = await complete(request, exchange, statements_for)
         response = _translate(result.response)
         await kept.without_capture(gateway.store, response)
-        return _json(response, headers=exchange.headers)
+        return json_response(response, headers=exchange.headers)
 
     upstream = await open_stream(request, exchange)
     relay = Relay(request, exchange, upstream, include_usage=True)
@@ -168,7 +163,7 @@ async def _agent_response(request: Request, principal: Principal, body: dict[str
                                     created_at=created_at)
         response["harness"] = harness
         await _keep_alone(gateway.store, kept, response)
-        return _json(response, headers=headers)
+        return json_response(response, headers=headers)
     events = ResponseStream(response_id=response_id, request=body, tool_map=tool_map, created_at=created_at)
     out = events.start()
     base = {k: completion[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
@@ -199,4 +194,4 @@ async def get_response(request: Request) -> Response:
     found = await gateway.store.get_response(response_id, tenant=principal.tenant, all_tenants=principal.admin)
     if found is None:
         raise APIError(404, f"Response with id '{response_id}' not found.", code="not_found")
-    return _json(found["body"])
+    return json_response(found["body"])

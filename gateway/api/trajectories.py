@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.api.common import json_response
 from gateway.errors import APIError
-
-
-def _json(value: object) -> Response:
-    return Response(orjson.dumps(value), media_type="application/json")
 
 
 def _limit(request: Request) -> int:
@@ -26,7 +22,7 @@ async def list_own(request: Request) -> Response:
     rows = await gateway.store.list_trajectories(
         tenant=principal.tenant, all_tenants=principal.admin, limit=_limit(request),
         before=request.query_params.get("before"))
-    return _json({"object": "list", "data": rows})
+    return json_response({"object": "list", "data": rows})
 
 
 async def show_own(request: Request) -> Response:
@@ -40,7 +36,7 @@ async def list_all(request: Request) -> Response:
     await gateway.auth.require_admin(request.headers)
     rows = await gateway.store.list_trajectories(all_tenants=True, limit=_limit(request),
                                                  before=request.query_params.get("before"))
-    return _json({"object": "list", "data": rows})
+    return json_response({"object": "list", "data": rows})
 
 
 async def show_any(request: Request) -> Response:
@@ -54,4 +50,4 @@ async def _show(request: Request, *, tenant: str | None, all_tenants: bool) -> R
     found = await request.app.state.gateway.store.get_trajectory(tid, tenant=tenant, all_tenants=all_tenants)
     if found is None:
         raise APIError(404, f"No trajectory '{tid}'.", code="not_found")
-    return _json(found)
+    return json_response(found)

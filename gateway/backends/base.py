@@ -34,6 +34,11 @@ class ChatResult:
     response: dict[str, Any]  # an OpenAI ``chat.completion`` object
     extras: CallExtras = field(default_factory=CallExtras)
 
+    @property
+    def message(self) -> dict[str, Any]:
+        """The first choice's message; empty when the backend sent none."""
+        return ((self.response.get("choices") or [{}])[0].get("message")) or {}
+
 
 class ChunkStream(Protocol):
     """An async iterator of OpenAI ``chat.completion.chunk`` dicts.

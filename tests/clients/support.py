@@ -374,3 +374,19 @@ class stack:  # noqa: N801 - used as a context manager, like open()
         finally:
             self._proxy.__exit__(None, None, None)
             self._server.__exit__(None, None, None)
+
+
+def assert_marker(work: Path, marker: str, explain: str) -> None:
+    """The command really ran, in the task's working folder."""
+    path = work / "marker.txt"
+    assert path.exists(), f"marker.txt was not created\n{explain}"
+    assert path.read_text().strip() == marker, explain
+
+
+def recorded_session(db: Path, upstream_calls: int, tool_call_id: str, prompt: str, final_text: str) -> dict[str, Any]:
+    """The gateway recorded the session as one trajectory holding every call, ending in the final answer."""
+    store = wait_for_calls(db, upstream_calls)
+    traj = assert_one_stitched_trajectory(store, upstream_calls, tool_call_id, prompt)
+    assert traj["n_calls"] == upstream_calls, traj
+    assert traj["calls"][-1]["response_messages"][0].get("content") == final_text, traj["calls"][-1]
+    return traj

@@ -16,15 +16,15 @@ import pytest
 
 from tests.clients.scripted_upstream import CALL_ID, FINAL_TEXT, ScriptedUpstream
 from tests.clients.support import (
-    assert_one_stitched_trajectory,
+    assert_marker,
     client_env,
     cline_run_argv,
     configure_cline,
     json_lines,
+    recorded_session,
     require_cli,
     run_cli,
     stack,
-    wait_for_calls,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -48,10 +48,7 @@ def test_cline_runs_a_command_through_the_gateway(tmp_path: Path) -> None:
         done = run_cli(cline_run_argv(cline, data, work, PROMPT), cwd=work, env=env, timeout=180)
         explain = s.explain(done)
 
-        # The command really ran, in the task's working folder.
-        marker = work / "marker.txt"
-        assert marker.exists(), f"marker.txt was not created\n{explain}"
-        assert marker.read_text().strip() == MARKER, explain
+        assert_marker(work, MARKER, explain)
 
         # Cline asked for the command with its own tool and finished with the scripted answer.
         assert upstream.errors == [], explain
@@ -72,10 +69,7 @@ def test_cline_runs_a_command_through_the_gateway(tmp_path: Path) -> None:
         assert done.returncode == 0, explain
 
         # The gateway recorded the task as one trajectory, each call extending the last.
-        store = wait_for_calls(s.gateway.db, len(upstream.calls))
-        traj = assert_one_stitched_trajectory(store, len(upstream.calls), CALL_ID, PROMPT)
-        assert traj["n_calls"] == len(upstream.calls), traj
-        assert traj["calls"][-1]["response_messages"][0].get("content") == FINAL_TEXT, traj["calls"][-1]
+        traj = recorded_session(s.gateway.db, len(upstream.calls), CALL_ID, PROMPT, FINAL_TEXT)
         # Cline names no session: the conversation itself stitched it.
         assert (traj["session_key"] or "").startswith("prefix:"), traj["session_key"]
 

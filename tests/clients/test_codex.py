@@ -17,15 +17,15 @@ import pytest
 
 from tests.clients.scripted_upstream import CALL_ID, FINAL_TEXT, ScriptedUpstream
 from tests.clients.support import (
-    assert_one_stitched_trajectory,
+    assert_marker,
     client_env,
     codex_exec_argv,
     codex_home,
     json_lines,
+    recorded_session,
     require_cli,
     run_cli,
     stack,
-    wait_for_calls,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -48,10 +48,7 @@ def test_codex_runs_a_command_through_the_gateway(tmp_path: Path) -> None:
         done = run_cli(codex_exec_argv(codex, work, PROMPT), cwd=work, env=env, timeout=180)
         explain = s.explain(done)
 
-        # The command really ran, in the task's working folder.
-        marker = work / "marker.txt"
-        assert marker.exists(), f"marker.txt was not created\n{explain}"
-        assert marker.read_text().strip() == MARKER, explain
+        assert_marker(work, MARKER, explain)
 
         # Codex asked for the command with exec_command and ended with the scripted answer.
         assert upstream.errors == [], explain
@@ -76,11 +73,8 @@ def test_codex_runs_a_command_through_the_gateway(tmp_path: Path) -> None:
         assert not any(e.get("type") in ("turn.failed", "error") for e in events), explain
 
         # One trajectory for the session, stitched by Codex's session id, holding every turn's call.
-        store = wait_for_calls(s.gateway.db, len(upstream.calls))
-        traj = assert_one_stitched_trajectory(store, len(upstream.calls), CALL_ID, PROMPT)
-        assert traj["n_calls"] == len(upstream.calls), traj
+        traj = recorded_session(s.gateway.db, len(upstream.calls), CALL_ID, PROMPT, FINAL_TEXT)
         assert thread in (traj["session_key"] or ""), (thread, traj["session_key"])
-        assert traj["calls"][-1]["response_messages"][0].get("content") == FINAL_TEXT, traj["calls"][-1]
         # The command's output came back as the tool result the model saw.
         result = next(m for m in traj["calls"][-1]["messages"] if m.get("role") == "tool")
         assert "exited with code 0" in json.dumps(result), result

@@ -5,16 +5,21 @@ import time
 from pathlib import Path
 
 from gateway.app import Gateway
-from gateway.config import load_settings
+from gateway.config import Settings, load_settings
 from replay import hashing
 from replay.store import CallRecord
 
 
-async def test_retention_sweeps_old_trajectories_at_start(tmp_path: Path) -> None:
+def _settings(tmp_path: Path, store_extra: str = "") -> Settings:
+    """A gateway whose only backend is never called: these tests exercise start-up and the store."""
     cfg = tmp_path / "h.toml"
-    cfg.write_text(f'[store]\npath = "{tmp_path / "h.db"}"\nretention_days = 1\n'
+    cfg.write_text(f'[store]\npath = "{tmp_path / "h.db"}"\n{store_extra}'
                    '[[backends]]\nname = "u"\nkind = "openai"\nbase_url = "http://127.0.0.1:9/v1"\nmodels = ["m"]\n')
-    settings = load_settings(cfg, environ={})
+    return load_settings(cfg, environ={})
+
+
+async def test_retention_sweeps_old_trajectories_at_start(tmp_path: Path) -> None:
+    settings = _settings(tmp_path, "retention_days = 1\n")
     gateway = Gateway(settings)
     await gateway.store.start()
     for text, age_days in (("ancient", 3), ("fresh", 0)):
@@ -44,10 +49,7 @@ async def test_runs_left_running_are_marked_interrupted_at_start(tmp_path: Path)
     from gateway.agent.loop import Profile, RunState
     from gateway.agent.recording import StoreRecorder
 
-    cfg = tmp_path / "h.toml"
-    cfg.write_text(f'[store]\npath = "{tmp_path / "h.db"}"\n'
-                   '[[backends]]\nname = "u"\nkind = "openai"\nbase_url = "http://127.0.0.1:9/v1"\nmodels = ["m"]\n')
-    settings = load_settings(cfg, environ={})
+    settings = _settings(tmp_path)
     gateway = Gateway(settings)
     await gateway.store.start()
     recorder = StoreRecorder(gateway.store, profile=Profile(name="p", model="m"), backend="u")

@@ -77,14 +77,6 @@ def weather(city: str) -> dict[str, Any]:
     return call("get_weather", {"city": city})
 
 
-@pytest.fixture
-async def store(tmp_path: Path):
-    s = TrajectoryStore(str(tmp_path / "rewards.db"))
-    await s.start()
-    yield s
-    await s.close()
-
-
 async def agent(store: TrajectoryStore, script: list, **kw: Any) -> str:
     state, _, _ = await run_agent(store, script, box=box(), **kw)
     return state.run_id

@@ -9,8 +9,6 @@ async def test_toolbox_is_what_a_run_may_use() -> None:
     box = Toolbox(default_registry(context.settings), context, ["calculator"])
     assert list(box.schemas()) == ["calculator"]
     assert [t["function"]["name"] for t in box.openai_tools()] == ["calculator"]
-    assert box.validate("calculator", {"expression": 1}) == ["arguments.expression: 1 is not of type 'string'"]
-    assert box.validate("browse", {"url": "http://x"}) == ["no tool named 'browse' (available: calculator)"]
     outcome = await box.execute("calculator", {"expression": "6 * 7"})
     assert (outcome.status, outcome.output) == ("ok", "42")
     outcome = await box.execute("browse", {"url": "http://x"})

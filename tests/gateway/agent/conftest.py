@@ -3,10 +3,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
-
-import pytest
 
 from gateway.agent.loop import AgentLoop, Profile, RunState
 from gateway.agent.recording import StoreRecorder
@@ -67,14 +64,6 @@ async def sleepy(args: dict[str, Any]) -> Any:
 def default_box() -> Box:
     return Box({"get_weather": (WEATHER, weather), "broken": ({"type": "object"}, broken),
                 "sleepy": ({"type": "object"}, sleepy)})
-
-
-@pytest.fixture
-async def store(tmp_path: Path):
-    s = TrajectoryStore(str(tmp_path / "agent.db"))
-    await s.start()
-    yield s
-    await s.close()
 
 
 async def run_agent(store: TrajectoryStore, script: list, *, box: Box | None = None, profile: Profile | None = None,
