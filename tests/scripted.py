@@ -88,6 +88,8 @@ class ScriptedStream:
             return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
         yield chunk({"role": "assistant", "content": ""})
+        if message.get("reasoning_content"):
+            yield chunk({"reasoning_content": message["reasoning_content"]})
         for word in (message.get("content") or "").split(" "):
             if word:
                 yield chunk({"content": word + " "})

@@ -185,16 +185,22 @@ def _account(request: Request, exchange: Exchange, usage: dict[str, Any] | None)
     request.scope["state"]["log"].update(prompt_tokens=prompt, completion_tokens=completion)
 
 
-def _without_tool_calls(chunk: dict[str, Any]) -> dict[str, Any] | None:
-    """The chunk minus its tool-call parts (held for the guard); None when nothing else is left in it."""
-    choices = []
+def _split_tool_calls(chunk: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(the chunk minus its tool-call parts, or None when nothing else is in it; a chunk of only those parts,
+    or None when it has none): the parts wait for the guard, the rest streams on."""
+    rest, parts = [], []
     for choice in chunk.get("choices") or ():
-        delta = {k: v for k, v in (choice.get("delta") or {}).items() if k != "tool_calls"}
-        if delta or choice.get("finish_reason"):
-            choices.append({**choice, "delta": delta})
-    if not choices and chunk.get("choices"):
-        return None
-    return {**chunk, "choices": choices}
+        delta = choice.get("delta") or {}
+        if "tool_calls" in delta:
+            parts.append({"index": choice.get("index", 0), "delta": {"tool_calls": delta["tool_calls"]},
+                          "finish_reason": None})
+        others = {k: v for k, v in delta.items() if k != "tool_calls"}
+        if others or choice.get("finish_reason"):
+            rest.append({**choice, "delta": others})
+    calls = {**chunk, "choices": parts} if parts else None
+    if not rest and chunk.get("choices"):
+        return None, calls
+    return {**chunk, "choices": rest}, calls
 
 
 def _tool_call_chunk(template: dict[str, Any], calls: list[dict[str, Any]]) -> dict[str, Any]:
@@ -221,6 +227,7 @@ class Relay:
         self.guarded = exchange.parsed.n == 1 and bool(function_schemas(exchange.body.get("tools")))
         self.acc = ChunkAccumulator()
         self.held: list[dict[str, Any]] = []
+        self._call_parts: list[dict[str, Any]] = []  # tool-call fragments as the backend sent them
         self.status, self.error, self.error_code, self.error_status = "ok", None, None, None
         self.records: list[CallRecord] = []
         self.finished = False
@@ -242,8 +249,12 @@ class Relay:
                 if not choices and chunk.get("usage") and not self.include_usage:
                     continue
                 unfinished -= sum(1 for c in choices or () if c.get("finish_reason"))
-                if self.guarded and (chunk := _without_tool_calls(chunk)) is None:
-                    continue
+                if self.guarded:
+                    chunk, parts = _split_tool_calls(chunk)
+                    if parts is not None:
+                        self._call_parts.append(parts)
+                    if chunk is None:
+                        continue
                 if self.held or unfinished <= 0 or not choices:
                     self.held.append(chunk)
                 else:
@@ -259,8 +270,9 @@ class Relay:
             records: list[CallRecord] = []
             try:
                 result = await _guard(self.request, exchange, first, records)
-                calls = result.message.get("tool_calls")
-                if calls:
+                if result is first:  # checked and passed: the fragments go out as the backend sent them
+                    self.held[:0] = self._call_parts
+                elif calls := result.message.get("tool_calls"):  # a retry's calls, whole
                     self.held.insert(0, _tool_call_chunk(template, calls))
             except BackendError as exc:
                 self.status, self.error, self.error_code, self.error_status = (

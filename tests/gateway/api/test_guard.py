@@ -89,3 +89,23 @@ def test_valid_calls_and_requests_without_tools_pass_untouched(tmp_path: Path) -
         assert _client(served.url).chat.completions.create(model="scripted-model", messages=ASK).choices[0] \
             .message.content == "plain"
         assert len(served.backend.requests) == 2
+
+
+def test_streamed_fidelity_fragments_reasoning_and_finish_reasons(tmp_path: Path) -> None:
+    """A checked, valid call reaches the client in the fragments the model sent; reasoning passes through."""
+    good = call("get_weather", {"city": "Paris"}, call_id="call_good")
+    good["reasoning_content"] = "The user wants weather."
+    for served in serve(tmp_path, [good, "It is sunny."]):
+        chunks = list(_client(served.url).chat.completions.create(model="scripted-model", messages=ASK, tools=TOOLS,
+                                                                  stream=True, stream_options={"include_usage": True}))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        parts = [tc for d in deltas for tc in (d.tool_calls or [])]
+        assert len(parts) > 2  # the name, then argument fragments, as OpenAI streams them
+        assert (parts[0].index, parts[0].id, parts[0].function.name) == (0, "call_good", "get_weather")
+        assert "".join(p.function.arguments or "" for p in parts) == '{"city": "Paris"}'
+        assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == "The user wants weather."
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+            ["tool_calls"]
+        assert chunks[-1].usage.total_tokens == 15
+        text = list(_client(served.url).chat.completions.create(model="scripted-model", messages=ASK, stream=True))
+        assert [c.choices[0].finish_reason for c in text if c.choices and c.choices[0].finish_reason] == ["stop"]
