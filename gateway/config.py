@@ -84,6 +84,9 @@ class BackendSettings(_Section):
             self.models = [DEFAULT_MODEL_NAME]
         if not self.models:
             raise ValueError(f"backend {self.name!r} lists no models")
+        reserved = [m for m in self.models if m.startswith("agent:")]
+        if reserved:
+            raise ValueError(f"backend {self.name!r} lists {reserved[0]!r}: the 'agent:' prefix names agent profiles")
         return self
 
 

@@ -52,6 +52,7 @@ def test_config_path_from_environment(tmp_path: Path) -> None:
     ("[[backends]]\nname = 'a'\nkind = 'openai'\nmodels = ['m']\n", "needs base_url"),
     ("[[backends]]\nname = 'a'\nkind = 'carrier-pigeon'\nbase_url='http://x'\nmodels=['m']\n", "backends.0.kind"),
     ("[server\n", "invalid TOML"),
+    ("[[backends]]\nname = 'a'\nbase_url = 'http://x'\nmodels = ['agent:x']\n", "prefix names agent profiles"),
 ])
 def test_bad_config_names_the_problem(tmp_path: Path, text: str, needle: str) -> None:
     cfg = tmp_path / "h.toml"
