@@ -14,7 +14,7 @@ import typing
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import orjson
 import typer
@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from gateway.cli_support import ConfigOption, err_console, fail, settings_or_exit
 from replay import export as exporting
 from replay import stats as stats_module
 from replay.filters import Filters, parse_time
@@ -33,9 +34,7 @@ from replay.schema import SCHEMA_VERSION
 
 app = typer.Typer(help="Select, inspect, import and export trajectories.", no_args_is_help=True)
 console = Console()
-err_console = Console(stderr=True)
 
-ConfigOption = typer.Option(None, "--config", "-c", help="TOML config file (default: $HARNESS_CONFIG).")
 StoreOption = typer.Option(None, "--store", help="The SQLite store (default: store.path from the config).")
 RedactPatternOption = typer.Option([], "--redact-pattern", help="Another regular expression to redact (repeatable).")
 
@@ -96,16 +95,12 @@ def with_filters(fn: Callable[..., Any]) -> Callable[..., Any]:
 # -- shared plumbing ------------------------------------------------------------------------------------------
 
 
-def _fail(message: str, code: int = 1) -> NoReturn:
-    err_console.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
 
 
 def _store_path(config: str | None, store: str | None) -> tuple[Any, str]:
-    from gateway.cli import _settings  # here, not at the top: gateway.cli imports this module
     from gateway.logging import configure_logging
 
-    settings = _settings(config)
+    settings = settings_or_exit(config)
     configure_logging("console", "warning")  # stdout is for results (--json), not log lines
     if store is not None:
         settings.store.path = store
@@ -119,11 +114,11 @@ def _reading(path: str) -> Iterator[sqlite3.Connection]:
         with open_readonly(path) as conn:
             yield conn
     except StoreError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     except sqlite3.DatabaseError as exc:
         # The base class is what SQLite raises for a damaged file ("database disk image is malformed").
         damaged = " (the file may be damaged)" if type(exc) is sqlite3.DatabaseError else ""
-        _fail(f"{path} cannot be read: {exc}{damaged}")
+        fail(f"{path} cannot be read: {exc}{damaged}")
 
 
 def _progress(label: str) -> Progress:
@@ -212,15 +207,15 @@ def export(filters: Filters,
            config: str | None = ConfigOption, store: str | None = StoreOption) -> None:
     """Training rows from the contexts as actually sent, with tools, metadata and exact token ids."""
     if fmt not in exporting.FORMATS:
-        _fail(f"--format must be one of {', '.join(exporting.FORMATS)}, not {fmt!r}", 2)
+        fail(f"--format must be one of {', '.join(exporting.FORMATS)}, not {fmt!r}", 2)
     settings, path = _store_path(config, store)
     if not redact and redact_pattern:
-        _fail("--no-redact and --redact-pattern contradict each other", 2)
+        fail("--no-redact and --redact-pattern contradict each other", 2)
     try:
         redactor = Redactor(defaults=redact and settings.store.redact_defaults,
                             patterns=[*settings.store.redact_patterns, *redact_pattern] if redact else [])
     except ValueError as exc:
-        _fail(str(exc), 2)
+        fail(str(exc), 2)
     options = exporting.ExportOptions(window=window, include_failed=include_failed, by_group=by_group, jobs=jobs)
     with _reading(path) as conn:
         total = exporting.count(conn, filters)
@@ -230,7 +225,7 @@ def export(filters: Filters,
                 result = exporting.export(conn, filters, output, fmt=fmt, options=options, redactor=redactor,
                                           overwrite=force, on_chunk=lambda n: progress.advance(task, n))
             except exporting.ExportError as exc:
-                _fail(str(exc))
+                fail(str(exc))
     rate = result.trajectories / result.seconds if result.seconds else 0
     err_console.print(f"exported {result.rows:,} rows from {result.trajectories:,} trajectories "
                       f"({result.redacted_rows:,} rows redacted) to {result.output} in {result.seconds:.1f} s "
@@ -258,7 +253,7 @@ def import_(file_name: str = typer.Argument(..., metavar="FILE",
             task_id = progress.add_task("read", total=size)
             conversations = read_file(file, on_line=lambda n: progress.advance(task_id, n))
     except ImportFileError as exc:
-        _fail(f"{file}: {exc}; nothing imported")
+        fail(f"{file}: {exc}; nothing imported")
 
     from gateway.cli import _with_store
 
@@ -267,15 +262,15 @@ def import_(file_name: str = typer.Argument(..., metavar="FILE",
         try:
             version = schema_version(target)
         except StoreError as exc:
-            _fail(f"{exc}; nothing imported")
+            fail(f"{exc}; nothing imported")
         if version > SCHEMA_VERSION:
-            _fail(f"{target} has schema version {version}, newer than this program knows ({SCHEMA_VERSION}); "
+            fail(f"{target} has schema version {version}, newer than this program knows ({SCHEMA_VERSION}); "
                   "nothing imported")
     try:
         result = _with_store(settings, lambda s: import_conversations(
             s, conversations, source=source, task=task, group=group, tenant=tenant, model=model))
     except (sqlite3.DatabaseError, OSError) as exc:  # a damaged file, an unwritable directory, a full disk
-        _fail(f"cannot import into {target}: {exc}; nothing imported")
+        fail(f"cannot import into {target}: {exc}; nothing imported")
     err_console.print(f"imported {result.trajectories:,} trajectories ({result.model_calls:,} model calls) "
                       f"from {file} as source {source!r}", highlight=False, soft_wrap=True)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import sqlite3
-from typing import NoReturn
 
 import orjson
 import typer
@@ -24,50 +23,38 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from gateway.config import ConfigError, load_settings
+from gateway.cli_support import ConfigOption, err_console, fail, settings_or_exit
 from gateway.logging import configure_logging
 from replay.filters import Filters
 from replay.readonly import StoreError, check_file
 from replay.rewards import RewardError, RewardSummary, recompute, signal_weights
 from replay.store import TrajectoryStore
 
-ConfigOption = typer.Option(None, "--config", "-c", help="TOML config file (default: $HARNESS_CONFIG).")
 StoreOption = typer.Option(None, "--store", help="The SQLite store (default: \\[store] path from the config).")
 SignalsOption = typer.Option(None, "--signals", help="A module to import first, which registers signals "
                              "that \\[rewards] weights (repeatable).")
 JsonOption = typer.Option(False, "--json", help="Machine-readable summary.")
 
-err_console = Console(stderr=True)
-
-
-def _fail(message: str, code: int = 1) -> NoReturn:
-    err_console.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
-
-
 def rewards(filters: Filters, config: str | None = ConfigOption, store: str | None = StoreOption,
             signals: list[str] | None = SignalsOption, as_json: bool = JsonOption) -> None:
     """Recompute the rewards of the selected trajectories and store them: each signal as a feedback row
     (source reward_engine, per step where a signal credits steps) and the weighted total as final_reward."""
-    try:
-        settings = load_settings(config)
-    except ConfigError as exc:
-        _fail(str(exc), 2)
+    settings = settings_or_exit(config)
     configure_logging("console", "warning")  # stdout is for results (--json), not log lines
     path = store if store is not None else settings.store.path
     for module in signals or []:
         try:
             importlib.import_module(module)
         except Exception as exc:  # noqa: BLE001 - whatever stops the import, the user must see it
-            _fail(f"cannot import signal module {module!r}: {exc}", 2)
+            fail(f"cannot import signal module {module!r}: {exc}", 2)
     try:
         signal_weights(settings.rewards)
     except RewardError as exc:
-        _fail(str(exc), 2)
+        fail(str(exc), 2)
     try:
         check_file(path)  # never create a store where there is none
     except StoreError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     step_limits = {p.name: p.max_steps for p in settings.profiles}
 
     async def main() -> RewardSummary:
@@ -85,10 +72,10 @@ def rewards(filters: Filters, config: str | None = ConfigOption, store: str | No
     try:
         summary = asyncio.run(main())
     except RewardError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     except (sqlite3.DatabaseError, RuntimeError, OSError) as exc:
         # A corrupt file, a newer schema (migrate refuses it), an unwritable directory.
-        _fail(f"cannot score the trajectories in {path}: {exc}")
+        fail(f"cannot score the trajectories in {path}: {exc}")
     if as_json:
         typer.echo(orjson.dumps(summary.to_dict()).decode())
     if summary.count == 0 and summary.skipped == 0:
