@@ -11,11 +11,21 @@ Prompts are left-padded, with an attention mask and explicit position ids, so pa
 what a sequence computes. A sequence leaves the batch as soon as it finishes or its request is
 cancelled, and columns of padding no remaining sequence needs are trimmed off the cache.
 Tokens travel back to each request's asyncio queue through ``loop.call_soon_threadsafe``.
+
+LoRA adapters (peft) are loaded and unloaded at runtime. The model is wrapped in a ``PeftModel`` only
+while at least one adapter is loaded, so a gateway that never loads one runs the plain model. One batch
+mixes rows for different adapters and for the base model: every forward pass names each row's adapter
+(peft's ``adapter_names``, ``__base__`` for the base). Loads and unloads change the model, so they are
+operations the engine thread runs between two steps, never beside a forward pass; the scheduler runs the
+engine for them when it is idle. An unloaded adapter's weights are deleted only once no admitted or
+waiting request uses it any more.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import secrets
 import time
 from collections import deque
@@ -23,7 +33,8 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
@@ -32,6 +43,7 @@ from transformers import DynamicCache
 
 from gateway.agent.parsing import ToolCallStreamFilter, parse_tool_calls, partial_suffix_length
 from gateway.backends.base import (
+    AdapterNotLoaded,
     BackendError,
     BackendUnavailable,
     CallExtras,
@@ -42,11 +54,15 @@ from gateway.backends.local_model import LoadedModel, ModelLoadError, load_model
 from gateway.config import BackendSettings
 from gateway.prompting import encode_prompt
 
+if TYPE_CHECKING:  # peft is imported on the first load: it takes over a second, and most gateways never load one
+    from peft import LoraConfig, PeftModel
+
 log = structlog.get_logger()
 
 DEFAULT_MAX_TOKENS = 256
 MAX_N = 128
 _GREEDY_BELOW = 1e-5  # temperatures this small sample the argmax anyway
+_BASE = "__base__"  # peft's name, in ``adapter_names``, for a row that runs without an adapter
 
 
 def _invalid(message: str, param: str | None = None, code: str | None = None) -> BackendError:
@@ -103,6 +119,27 @@ class SamplingParams:
         )
 
 
+@dataclass(frozen=True)
+class _Adapter:
+    name: str  # as requests name it (``sql@3``)
+    # peft's name for it: request names hold characters peft's module dicts refuse (``.``), and a name
+    # reloaded while its previous weights still serve a request must not collide with them.
+    internal: str
+    path: str
+
+
+@dataclass(eq=False)
+class _Op:
+    """A change to the model that the engine thread runs between two steps."""
+
+    run: Callable[[], Any]
+    settle: Callable[[Any, BaseException | None], None]  # thread-safe: (result, error)
+
+
+class _AdapterLoadError(Exception):
+    """An adapter folder that cannot be served; the message says why."""
+
+
 # Events from the engine thread to a request, delivered as one list per job and step.
 @dataclass(frozen=True)
 class _Token:
@@ -139,6 +176,7 @@ class _Job:
     params: SamplingParams
     emit: Callable[[list[_Event]], None]  # thread-safe
     queue: asyncio.Queue[list[_Event]]
+    adapter: _Adapter | None = None  # None: the base model
     cancelled: bool = False  # set on the event loop; the engine drops the job at its next step
 
 
@@ -210,11 +248,15 @@ def _left_pad(tensor: torch.Tensor, amount: int, dim: int) -> torch.Tensor:
 
 
 class _Engine:
-    """The batch and its KV cache. Methods run on the engine thread, except ``pending_sequences`` and
-    the ``fail_*`` pair, which the event loop calls only while the engine is idle."""
+    """The batch, its KV cache and the model's adapters. Methods run on the engine thread, except
+    ``pending_sequences`` and the ``fail_*`` trio, which the event loop calls only while the engine is idle."""
 
     def __init__(self, loaded: LoadedModel, max_batch_size: int) -> None:
-        self.model = loaded.model
+        self.base_model = loaded.model
+        self.peft: PeftModel | None = None  # wraps base_model (in place) while any adapter is loaded
+        self.adapters: set[str] = set()  # internal names of the adapters in the model
+        self.ops: deque[_Op] = deque()  # appended on the event loop, drained here between steps
+        self._retiring: dict[str, Callable[[], None]] = {}  # internal name -> thread-safe "deleted" callback
         self.tokenizer = loaded.tokenizer
         self.context_length = loaded.context_length
         self.max_batch_size = max_batch_size
@@ -232,11 +274,13 @@ class _Engine:
         return sum(job.params.n for job in self.inbox)
 
     def run(self) -> None:
-        """Decode until no sequence is active and nothing waits, or the backend closes."""
+        """Apply waiting operations; decode until no sequence is active and nothing waits, or the backend closes."""
         with torch.inference_mode():
             try:
                 while not self.closing:
+                    self._run_ops()
                     self._admit()
+                    self._reap()
                     if not self._rows:
                         return
                     self._advance()
@@ -254,6 +298,108 @@ class _Engine:
         while self.inbox:
             self.inbox.popleft().emit([_Failure(error)])
 
+    def fail_ops(self, error: BackendError) -> None:
+        """Fail operations never run; an unload still waiting for its requests counts as done (nothing is loaded)."""
+        while self.ops:
+            self.ops.popleft().settle(None, error)
+        retiring, self._retiring = self._retiring, {}
+        for deleted in retiring.values():
+            deleted()
+
+    # -- adapters --------------------------------------------------------------------------------
+
+    def _run_ops(self) -> None:
+        while self.ops:
+            op = self.ops.popleft()
+            # Outside inference mode: peft later sets requires_grad on adapter weights (when the active
+            # adapter is deleted), which PyTorch refuses on tensors created in inference mode.
+            with torch.inference_mode(False), torch.no_grad():
+                try:
+                    result = op.run()
+                except Exception as exc:  # the caller hears of it; the batch goes on
+                    op.settle(None, exc)
+                else:
+                    op.settle(result, None)
+
+    def load_adapter(self, internal: str, path: str, config: LoraConfig) -> None:
+        from peft import PeftModel
+
+        first = self.peft is None
+        try:
+            if self.peft is None:
+                self.peft = PeftModel(self.base_model, config, adapter_name=internal)
+            # load_adapter skips creating an adapter the constructor already made, and returns the missing
+            # tensors (which from_pretrained only warns about), so both paths share it.
+            result = self.peft.load_adapter(path, adapter_name=internal, torch_device=str(self.base_model.device))
+            if result.missing_keys:
+                raise _AdapterLoadError(f"its weights lack {len(result.missing_keys)} tensors its config asks for, "
+                                        f"such as {result.missing_keys[0]}")
+        except Exception:
+            if first:
+                self._unwrap()
+            elif self.peft is not None and internal in self.peft.peft_config:
+                self.peft.delete_adapter(internal)
+            raise
+        self.peft.eval()  # peft refuses adapter_names in training mode
+        self.adapters.add(internal)
+
+    def retire_adapter(self, internal: str, deleted: Callable[[], None]) -> None:
+        """Delete the adapter once no request admitted or waiting uses it; ``deleted`` is called then."""
+        if internal not in self.adapters:
+            deleted()
+            return
+        self._retiring[internal] = deleted
+        self._reap()
+
+    def _reap(self) -> None:
+        if not self._retiring:
+            return
+        # tuple() copies the deque in one C call, so the event loop cannot append halfway through.
+        in_use = {row.job.adapter.internal for row in self._rows if row.job.adapter is not None}
+        in_use.update(job.adapter.internal for job in tuple(self.inbox) if job.adapter is not None)
+        for internal in [name for name in self._retiring if name not in in_use]:
+            deleted = self._retiring.pop(internal)
+            try:
+                with torch.inference_mode(False), torch.no_grad():
+                    self._delete_adapter(internal)
+            except Exception:  # the adapter stays in memory, unused; serving goes on
+                log.exception("local.adapter_delete_failed", adapter=internal)
+            finally:
+                deleted()
+
+    def _delete_adapter(self, internal: str) -> None:
+        self.adapters.discard(internal)
+        assert self.peft is not None
+        if not self.adapters:
+            self._unwrap()  # back to the plain model: as fast as before any adapter was loaded
+            return
+        if self.peft.active_adapter == internal:
+            # peft warns when the active adapter is deleted; no forward pass relies on which one is active
+            # (each names its rows' adapters), so hand the role to a survivor first.
+            self.peft.set_adapter(next(iter(self.adapters)))
+        self.peft.delete_adapter(internal)
+
+    def _unwrap(self) -> None:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        if self.peft is not None:
+            self.peft.unload()
+        # A wrap that failed halfway leaves LoRA layers in the model with no PeftModel to unload them.
+        for name, module in list(self.base_model.named_modules()):
+            if isinstance(module, BaseTunerLayer):
+                parent, _, child = name.rpartition(".")
+                setattr(self.base_model.get_submodule(parent), child, module.get_base_layer())
+        self.peft = None
+        self.adapters.clear()
+
+    def _forward(self, adapters: list[_Adapter | None], **inputs: Any) -> Any:
+        """One forward pass; ``adapters`` names each row's adapter (None: the base model)."""
+        self.forward_passes += 1
+        if self.peft is None:
+            return self.base_model(**inputs)
+        # Without adapter_names peft would apply its active adapter to every row, base rows included.
+        return self.peft(**inputs, adapter_names=[_BASE if a is None else a.internal for a in adapters])
+
     def _reset(self) -> None:
         self._rows, self._cache, self._mask, self._logits = [], None, None, None
 
@@ -267,6 +413,12 @@ class _Engine:
             if job.cancelled:
                 self.inbox.popleft()
                 continue
+            if job.adapter is not None and job.adapter.internal not in self.adapters:
+                # Cannot happen while unloads wait for their requests; but a missing name would make peft
+                # fail the whole batch, so refuse the one request instead.
+                self.inbox.popleft().emit([_Failure(AdapterNotLoaded(
+                    f"adapter {job.adapter.name!r} is not loaded", adapter=job.adapter.name))])
+                continue
             # A job wider than the whole batch still runs, alone, rather than never.
             if job.params.n > room and (jobs or self._rows):
                 break
@@ -279,10 +431,10 @@ class _Engine:
         width = max(len(job.prompt_ids) for job in jobs)
         ids = torch.tensor([[self.pad_token_id] * (width - len(j.prompt_ids)) + j.prompt_ids for j in jobs])
         mask = torch.tensor([[0] * (width - len(j.prompt_ids)) + [1] * len(j.prompt_ids) for j in jobs])
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
-        self.forward_passes += 1
+        cache = DynamicCache(config=self.base_model.config)
+        out = self._forward([job.adapter for job in jobs], input_ids=ids, attention_mask=mask,
+                            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                            past_key_values=cache, use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1, :].float()
         # The n samples of a job share its prompt: prefill it once, then copy its row.
         rows = [_Sequence(job, i, generator, _TextTracker(self.tokenizer, job.params.stop))
@@ -302,7 +454,7 @@ class _Engine:
             (torch.cat([_left_pad(k0, width - old_len, 2), _left_pad(k1, width - new_len, 2)]),
              torch.cat([_left_pad(v0, width - old_len, 2), _left_pad(v1, width - new_len, 2)]))
             for (k0, v0), (k1, v1) in zip(self._cache.to_legacy_cache(), cache.to_legacy_cache(), strict=True)
-        ], config=self.model.config)
+        ], config=self.base_model.config)
         self._mask = torch.cat([_left_pad(self._mask, width - old_len, 1), _left_pad(mask, width - new_len, 1)])
         self._logits = torch.cat([self._logits, logits])
         self._rows += rows
@@ -344,10 +496,9 @@ class _Engine:
             return
         step = torch.tensor([[tokens[i]] for i in keep])
         self._mask = F.pad(self._mask, (0, 1), value=1)
-        out = self.model(input_ids=step, attention_mask=self._mask,
-                         position_ids=self._mask.sum(-1, keepdim=True) - 1,
-                         past_key_values=self._cache, use_cache=True)
-        self.forward_passes += 1
+        out = self._forward([row.job.adapter for row in self._rows], input_ids=step, attention_mask=self._mask,
+                            position_ids=self._mask.sum(-1, keepdim=True) - 1,
+                            past_key_values=self._cache, use_cache=True)
         self._logits = out.logits[:, -1, :].float()
 
     def _select(self, keep: list[int]) -> None:
@@ -362,7 +513,7 @@ class _Engine:
         start = int(mask.argmax(dim=1).min())  # first real position of the least padded row
         self._cache = DynamicCache(ddp_cache_data=[
             (k[index, :, start:], v[index, :, start:]) for k, v in self._cache.to_legacy_cache()
-        ], config=self.model.config)
+        ], config=self.base_model.config)
         self._mask, self._logits = mask[:, start:], logits
 
     def _choose(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
@@ -391,15 +542,46 @@ def _generators(params: SamplingParams) -> list[torch.Generator]:
     return [torch.Generator().manual_seed(s) for s in seeds]
 
 
+def _lora_config(path: str) -> LoraConfig:
+    """The LoRA config of the adapter folder ``path``, checked for what mixed-adapter batches support."""
+    from peft import LoraConfig
+
+    folder = Path(path)
+    # peft takes a path that is not a local folder for a Hub repository id; never go looking there.
+    if not folder.is_dir():
+        raise _AdapterLoadError("no such folder")
+    if not (folder / "adapter_model.safetensors").is_file() and not (folder / "adapter_model.bin").is_file():
+        raise _AdapterLoadError("the folder holds no adapter_model.safetensors")
+    try:
+        raw = json.loads((folder / "adapter_config.json").read_text())
+        peft_type = raw.get("peft_type") if isinstance(raw, dict) else None
+        if peft_type != "LORA":
+            raise _AdapterLoadError(f"only LoRA adapters are served; this one is {peft_type or 'of no known type'}")
+        config = LoraConfig.from_pretrained(str(folder))
+    except (OSError, ValueError, TypeError) as exc:
+        raise _AdapterLoadError(f"cannot read adapter_config.json: {exc}") from exc
+    # peft's mixed-adapter batches refuse both; better to say so now than fail a batch later.
+    if config.use_dora:
+        raise _AdapterLoadError("DoRA adapters cannot share a batch with other adapters")
+    if getattr(config, "target_parameters", None):
+        raise _AdapterLoadError("adapters on parameters (target_parameters) cannot share a batch")
+    config.inference_mode = True
+    return config
+
+
 @dataclass(frozen=True)
 class _Prepared:
     prompt_ids: list[int]
     params: SamplingParams
     tools_enabled: bool
+    adapter: str | None = None  # the name the request gave
 
 
 class LocalBackend:
-    """The embedded transformers model, batching concurrent requests into shared forward passes."""
+    """The embedded transformers model, batching concurrent requests into shared forward passes.
+
+    Serves LoRA adapters (``AdapterHost``): ``ChatRequest.adapter`` names one loaded with ``load_adapter``.
+    """
 
     def __init__(self, settings: BackendSettings) -> None:
         self.name = settings.name
@@ -410,6 +592,10 @@ class LocalBackend:
         self._executor: ThreadPoolExecutor | None = None
         self._scheduler: asyncio.Task[None] | None = None
         self._wakeup = asyncio.Event()
+        # Changed on the event loop only; the engine learns of changes through its ops.
+        self._adapters: dict[str, _Adapter] = {}
+        self._loading: dict[str, asyncio.Future[None]] = {}
+        self._serial = itertools.count(1)
 
     @property
     def loaded(self) -> LoadedModel:
@@ -452,27 +638,124 @@ class LocalBackend:
         closed = BackendUnavailable("the local backend is shutting down", code="backend_closed")
         engine.fail_active(closed)
         engine.fail_waiting(closed)
+        engine.fail_ops(closed)
+        self._adapters.clear()
 
     async def _schedule(self, engine: _Engine) -> None:
         loop = asyncio.get_running_loop()
         wait_s = self._settings.batch_wait_ms / 1000
         while True:
-            # Jobs are appended (and the event set) on this loop only, so check-clear-wait cannot miss one.
-            if not engine.inbox:
+            # Jobs and ops are appended (and the event set) on this loop only, so check-clear-wait cannot miss one.
+            if not engine.inbox and not engine.ops:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            # Let requests sent together share the first prefill instead of trickling in one by one.
+            # Let requests sent together share the first prefill instead of trickling in one by one
+            # (an op alone has nothing to wait for).
             deadline = loop.time() + wait_s
-            while engine.pending_sequences() < engine.max_batch_size and (left := deadline - loop.time()) > 0:
+            while (engine.inbox and engine.pending_sequences() < engine.max_batch_size
+                   and (left := deadline - loop.time()) > 0):
                 self._wakeup.clear()
                 with suppress(TimeoutError):
                     await asyncio.wait_for(self._wakeup.wait(), left)
             await loop.run_in_executor(self._executor, engine.run)
 
+    # -- adapters (AdapterHost) ------------------------------------------------------------------
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load the LoRA adapter folder ``path`` under ``name``; a name already loaded is left as it is.
+
+        Raises a 400 ``adapter_load_failed`` when the folder cannot be served (missing, not LoRA, made for
+        another model, weights missing). Generation goes on meanwhile; the load happens between two steps.
+        """
+        engine = self._running_engine()
+        if name in self._adapters:
+            return
+        pending = self._loading.get(name)
+        if pending is None:
+            pending = self._loading[name] = asyncio.create_task(self._load(engine, name, path), name=f"load {name}")
+            pending.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved, even if unawaited
+        try:
+            await asyncio.shield(pending)
+        except BackendError:
+            raise
+        except Exception as exc:
+            reason = " ".join(str(exc).split())[:500]  # state-dict errors run to many lines
+            raise _invalid(f"cannot load adapter {name!r} from {path}: {reason}", code="adapter_load_failed") from exc
+
+    async def _load(self, engine: _Engine, name: str, path: str) -> None:
+        """One load, as a task of its own: a caller cancelled meanwhile must not leave the adapter in the model
+        but unknown here."""
+        try:
+            # Off the engine thread, which would otherwise stall every request: peft's first import takes over a
+            # second, and checking the folder needs no model.
+            config = await asyncio.to_thread(_lora_config, path)
+            adapter = _Adapter(name, f"adapter_{next(self._serial):06d}", path)
+            started = time.perf_counter()
+            await self._on_engine(engine, lambda: engine.load_adapter(adapter.internal, path, config))
+            if self._engine is engine:
+                self._adapters[name] = adapter
+                log.info("local.adapter_loaded", backend=self.name, adapter=name, path=path,
+                         seconds=round(time.perf_counter() - started, 3))
+        finally:
+            self._loading.pop(name, None)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unload the adapter ``name``; a name not loaded is fine. Requests for it already accepted finish
+        with it first: this returns once its weights are deleted. New requests for it fail at once."""
+        pending = self._loading.get(name)
+        if pending is not None:
+            with suppress(Exception):
+                await asyncio.shield(pending)
+        adapter = self._adapters.pop(name, None)
+        engine = self._engine
+        if adapter is None or engine is None:
+            return
+        loop = asyncio.get_running_loop()
+        deleted: asyncio.Future[None] = loop.create_future()
+
+        def on_deleted() -> None:
+            with suppress(RuntimeError):  # the loop is gone: nobody is waiting any more
+                loop.call_soon_threadsafe(_resolve, deleted, None, None)
+
+        await asyncio.shield(self._on_engine(engine, lambda: engine.retire_adapter(adapter.internal, on_deleted)))
+        await asyncio.shield(deleted)
+        log.info("local.adapter_unloaded", backend=self.name, adapter=name)
+
+    async def loaded_adapters(self) -> set[str]:
+        """The names of the adapters loaded now (not those loading, nor those unloaded but still finishing)."""
+        return set(self._adapters)
+
+    def _running_engine(self) -> _Engine:
+        if self._engine is None:
+            raise BackendUnavailable("the local backend is not running", code="not_started")
+        return self._engine
+
+    def _on_engine(self, engine: _Engine, run: Callable[[], Any]) -> asyncio.Future[Any]:
+        """Run ``run`` on the engine thread between two steps; the future settles with its result."""
+        if engine.closing:  # aclose fails the ops queued before it began; none may follow
+            raise BackendUnavailable("the local backend is shutting down", code="backend_closed")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            with suppress(RuntimeError):  # the loop is gone: nobody is waiting any more
+                loop.call_soon_threadsafe(_resolve, future, result, error)
+
+        engine.ops.append(_Op(run, settle))
+        self._wakeup.set()
+        return future
+
+    def _adapter(self, name: str | None) -> _Adapter | None:
+        if not name:
+            return None
+        adapter = self._adapters.get(name)
+        if adapter is None:
+            raise AdapterNotLoaded(f"adapter {name!r} is not loaded on backend {self.name!r}", adapter=name)
+        return adapter
+
     async def _prepare(self, request: ChatRequest) -> _Prepared:
-        if request.adapter:
-            raise _invalid("the local backend does not serve adapters yet", "model", "adapter_not_supported")
+        self._adapter(request.adapter)  # fail fast; _submit resolves it again after the awaits below
         body = request.body
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -487,12 +770,13 @@ class LocalBackend:
         if len(prompt_ids) >= limit:
             raise _invalid(f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit} tokens",
                            "messages", "context_length_exceeded")
-        return _Prepared(prompt_ids, params, bool(tools))
+        return _Prepared(prompt_ids, params, bool(tools), request.adapter)
 
     def _submit(self, prepared: _Prepared) -> _Job:
-        engine = self._engine
-        if engine is None:
-            raise BackendUnavailable("the local backend is not running", code="not_started")
+        engine = self._running_engine()
+        # Resolved here, synchronously with the append below, so an unload that pops the name after this
+        # point finds the job in the inbox and waits for it.
+        adapter = self._adapter(prepared.adapter)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[list[_Event]] = asyncio.Queue()
 
@@ -500,7 +784,7 @@ class LocalBackend:
             with suppress(RuntimeError):  # the loop is gone: nobody is waiting any more
                 loop.call_soon_threadsafe(queue.put_nowait, events)
 
-        job = _Job(prepared.prompt_ids, prepared.params, emit, queue)
+        job = _Job(prepared.prompt_ids, prepared.params, emit, queue, adapter)
         engine.inbox.append(job)
         self._wakeup.set()
         return job
@@ -536,6 +820,15 @@ class LocalBackend:
     async def stream(self, request: ChatRequest) -> LocalChunkStream:
         prepared = await self._prepare(request)
         return LocalChunkStream(self._submit(prepared), prepared, request.model)
+
+
+def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 async def _events(job: _Job) -> AsyncIterator[_Token | _Finish]:

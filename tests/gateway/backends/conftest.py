@@ -38,3 +38,27 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smol_tokenizer: Pre
     model.save_pretrained(folder)
     smol_tokenizer.save_pretrained(folder)
     return folder
+
+
+def _random_lora(model_dir: Path, folder: Path, seed: int) -> Path:
+    """A rank-4 LoRA for the model in ``model_dir`` whose weights are all random, so it changes the output
+    (peft's own init zeroes B, which changes nothing)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = LlamaForCausalLM.from_pretrained(model_dir)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                  target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    peft_model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> dict[str, Path]:
+    """Two LoRA adapters for the tiny Llama that answer differently from it and from each other."""
+    root = tmp_path_factory.mktemp("lora")
+    return {name: _random_lora(tiny_model_dir, root / name, seed) for name, seed in (("a", 1), ("b", 2))}
