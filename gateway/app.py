@@ -15,14 +15,18 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.adapters.manager import AdapterBackend, AdapterManager
+from gateway.adapters.registry import AdapterRegistry
+from gateway.adapters.service import AdapterService
 from gateway.agent.service import AgentService
-from gateway.api import agent, chat, health, models, responses, trajectories
+from gateway.api import adapters, agent, chat, health, models, responses, trajectories
 from gateway.auth import Authenticator
 from gateway.backends import build_backend
-from gateway.backends.base import Backend
+from gateway.backends.base import Backend, serves_adapters
 from gateway.config import Settings
-from gateway.errors import APIError, error_response, model_not_found
+from gateway.errors import APIError, error_response
 from gateway.metrics import Metrics
+from gateway.routing import Caller, Router, Target
 from replay.store import TrajectoryStore
 from tools.context import ToolContext
 from tools.registry import default_registry
@@ -50,6 +54,13 @@ class Gateway:
                 self.model_map.setdefault(model, backend)
         self.background: set[asyncio.Task[Any]] = set()
         self.cancel_on_stop: set[asyncio.Task[Any]] = set()
+        registry = AdapterRegistry(s.path)
+        self.router: Router[Backend] = Router(settings.routing, self.model_map,
+                                              snapshot=lambda: self.adapter_manager.snapshot)
+        self.adapter_manager = AdapterManager(self.backends, registry, self.spawn,
+                                              also_wanted=self.router.canary_versions)
+        self.adapters = AdapterService(registry, settings.routing.adapters_dir, settings.routing.max_upload_bytes,
+                                       self.adapter_manager)
         self.tool_context = ToolContext(settings.tools)
         self.agents = AgentService(profiles=settings.profiles, store=self.store,
                                    registry=default_registry(settings.tools), tool_context=self.tool_context,
@@ -65,11 +76,21 @@ class Gateway:
             self.cancel_on_stop.add(task)
             task.add_done_callback(self.cancel_on_stop.discard)
 
+    def route(self, name: str, sticky: str | None = None) -> Target[Backend]:
+        """Steps 4-5 of routing (the canary split, then the backend); an adapter target's backend is wrapped so
+        its requests hold the version loaded while they run."""
+        target = self.router.resolve(name, sticky)
+        if target.adapter is None:
+            return target
+        if not serves_adapters(target.backend):
+            raise APIError(400, f"The backend serving '{target.base}' does not load adapters.", param="model",
+                           code="adapter_not_supported")
+        wrapped = AdapterBackend(target.backend, target.base, target.adapter, self.adapter_manager)
+        return Target(target.model, target.base, wrapped, target.adapter, target.canary)  # type: ignore[arg-type]
+
     def backend_for(self, model: str) -> Backend:
-        backend = self.model_map.get(model)
-        if backend is None:
-            raise model_not_found(f"The model '{model}' does not exist or you do not have access to it.")
-        return backend
+        """For agent profiles: the whole pipeline on a configured name; one draw per run, so a run is sticky."""
+        return self.route(self.router.name_for(model, Caller())).backend
 
     async def start(self) -> None:
         try:
@@ -85,6 +106,9 @@ class Gateway:
             log.warning("agent.runs_interrupted", count=interrupted)
         for backend in self.backends:
             await backend.start()
+        await self.adapter_manager.refresh(force=True)
+        await self.adapter_manager.reconcile()
+        self.spawn(self.adapter_manager.run(self.settings.routing.refresh_seconds), cancel_on_stop=True)
         if self.settings.store.retention_days:
             self.spawn(self._retention_loop(self.settings.store.retention_days), cancel_on_stop=True)
         log.info("gateway.started", models=sorted(self.model_map), store=self.settings.store.path)
@@ -194,6 +218,9 @@ def build_app(settings: Settings) -> Starlette:
         Route("/v1/models/{model:path}", models.get_model, methods=["GET"], name="model"),
         Route("/v1/trajectories", trajectories.list_own, methods=["GET"], name="trajectories"),
         Route("/v1/trajectories/{trajectory_id}", trajectories.show_own, methods=["GET"], name="trajectory"),
+        Route("/admin/adapters", adapters.list_adapters, methods=["GET"], name="admin_adapters"),
+        Route("/admin/adapters", adapters.register, methods=["POST"], name="admin_adapters_register"),
+        Route("/admin/adapters/{name}/{action}", adapters.lifecycle, methods=["POST"], name="admin_adapter_action"),
         Route("/admin/trajectories", trajectories.list_all, methods=["GET"], name="admin_trajectories"),
         Route("/admin/trajectories/{trajectory_id}", trajectories.show_any, methods=["GET"],
               name="admin_trajectory"),

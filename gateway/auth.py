@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from starlette.datastructures import Headers
 
 from gateway.errors import APIError
+from gateway.routing import Caller
 from replay.store import TrajectoryStore
 
 KEY_PREFIX = "sk-harness-"
@@ -33,6 +34,13 @@ class Principal:
     tenant: str | None
     capture: bool = True
     admin: bool = False
+    default_model: str | None = None  # for requests that name no model
+    allow_model_override: bool = False  # may replace the model with the override header
+
+    def caller(self) -> Caller:
+        """As routing sees it: an open gateway and the admin key may always use the override header."""
+        return Caller(tenant=self.tenant, default_model=self.default_model,
+                      may_override=self.allow_model_override or self.admin or self.key_id is None)
 
 
 OPEN = Principal(key_id=None, tenant=None)
@@ -82,7 +90,8 @@ class Authenticator:
         if cached is None or now >= cached[0]:
             row = await self.store.find_key(digest)
             principal = None if row is None else Principal(
-                key_id=row["id"], tenant=row["tenant"], capture=bool(row["capture"]))
+                key_id=row["id"], tenant=row["tenant"], capture=bool(row["capture"]),
+                default_model=row["default_model"], allow_model_override=bool(row["allow_model_override"]))
             if len(self._keys) > 10_000:
                 self._keys.clear()
             self._keys[digest] = cached = (now + _CACHE_SECONDS, principal)

@@ -14,8 +14,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from gateway.adapters.cli import app as adapters_app
 from gateway.auth import hash_secret, new_secret
-from gateway.config import ConfigError, Settings, load_settings
+from gateway.cli_support import ConfigOption, settings_or_exit
+from gateway.config import ConfigError, Settings
 from replay.cli import app as replay_app
 from replay.store import TrajectoryStore
 
@@ -28,17 +30,9 @@ traj_app = typer.Typer(help="Captured trajectories.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 app.add_typer(traj_app, name="trajectories")
 app.add_typer(replay_app, name="replay")
+app.add_typer(adapters_app, name="adapters")
 
 console = Console()
-ConfigOption = typer.Option(None, "--config", "-c", help="TOML config file (default: $HARNESS_CONFIG).")
-
-
-def _settings(config: str | None) -> Settings:
-    try:
-        return load_settings(config)
-    except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
 
 
 def _with_store(settings: Settings, fn: Callable[[TrajectoryStore], Awaitable[T]]) -> T:
@@ -72,7 +66,7 @@ def serve(config: str | None = ConfigOption,
     from gateway.app import build_app
     from gateway.logging import configure_logging
 
-    settings = _settings(config)
+    settings = settings_or_exit(config)
     if host is not None:
         settings.server.host = host
     if port is not None:
@@ -107,7 +101,7 @@ def run_agent(profile: str = typer.Argument(..., help="An agent profile from the
     from gateway.errors import APIError
     from gateway.logging import configure_logging
 
-    settings = _settings(config)
+    settings = settings_or_exit(config)
     configure_logging("console", "warning")
 
     def show(event: Event) -> None:
@@ -156,12 +150,16 @@ def run_agent(profile: str = typer.Argument(..., help="An agent profile from the
 def keys_create(tenant: str = typer.Option(..., help="Tenant this key belongs to."),
                 name: str | None = typer.Option(None, help="A label for people."),
                 capture: bool = typer.Option(True, "--capture/--no-capture", help="Record this key's traffic."),
+                default_model: str | None = typer.Option(None, help="Model for this key's requests that name none."),
+                allow_model_override: bool = typer.Option(
+                    False, "--allow-model-override", help="Let this key replace the model with the override header."),
                 config: str | None = ConfigOption) -> None:
     """Create a key; the secret is printed once and stored only as a hash."""
-    settings = _settings(config)
+    settings = settings_or_exit(config)
     secret = new_secret()
-    key_id = _with_store(settings, lambda s: s.create_key(tenant=tenant, name=name, capture=capture,
-                                                          secret_hash=hash_secret(secret)))
+    key_id = _with_store(settings, lambda s: s.create_key(
+        tenant=tenant, name=name, capture=capture, secret_hash=hash_secret(secret), default_model=default_model,
+        allow_model_override=allow_model_override))
     typer.echo(f"id:     {key_id}\ntenant: {tenant}\nkey:    {secret}\n(the key is shown only now)")
 
 
@@ -169,13 +167,14 @@ def keys_create(tenant: str = typer.Option(..., help="Tenant this key belongs to
 def keys_list(config: str | None = ConfigOption,
               as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """List keys (never their secrets)."""
-    rows = _with_store(_settings(config), lambda s: s.list_keys())
+    rows = _with_store(settings_or_exit(config), lambda s: s.list_keys())
     if as_json:
         typer.echo(orjson.dumps(rows).decode())
         return
-    table = Table("id", "tenant", "name", "capture", "created", "revoked")
+    table = Table("id", "tenant", "name", "capture", "default model", "override", "created", "revoked")
     for r in rows:
         table.add_row(r["id"], r["tenant"], r["name"] or "", "yes" if r["capture"] else "no",
+                      r["default_model"] or "", "yes" if r["allow_model_override"] else "no",
                       _time(r["created_at"]), _time(r["revoked_at"]) if r["revoked_at"] else "")
     console.print(table)
 
@@ -183,7 +182,7 @@ def keys_list(config: str | None = ConfigOption,
 @keys_app.command("revoke")
 def keys_revoke(key_id: str, config: str | None = ConfigOption) -> None:
     """Revoke a key by id."""
-    if not _with_store(_settings(config), lambda s: s.revoke_key(key_id)):
+    if not _with_store(settings_or_exit(config), lambda s: s.revoke_key(key_id)):
         typer.echo(f"error: no active key with id {key_id}", err=True)
         raise typer.Exit(1)
     typer.echo(f"revoked {key_id}")
@@ -199,7 +198,7 @@ def trajectories_list(config: str | None = ConfigOption,
                       tenant: str | None = typer.Option(None, help="Only this tenant's."),
                       as_json: bool = typer.Option(False, "--json")) -> None:
     """The newest trajectories first."""
-    rows = _with_store(_settings(config), lambda s: s.list_trajectories(
+    rows = _with_store(settings_or_exit(config), lambda s: s.list_trajectories(
         tenant=tenant, all_tenants=tenant is None, limit=limit))
     if as_json:
         typer.echo(orjson.dumps(rows).decode())
@@ -217,7 +216,7 @@ def trajectories_list(config: str | None = ConfigOption,
 def trajectories_show(trajectory_id: str, config: str | None = ConfigOption,
                       as_json: bool = typer.Option(False, "--json")) -> None:
     """One trajectory as a readable timeline (or its full record with --json)."""
-    found = _with_store(_settings(config), lambda s: s.get_trajectory(trajectory_id, all_tenants=True))
+    found = _with_store(settings_or_exit(config), lambda s: s.get_trajectory(trajectory_id, all_tenants=True))
     if found is None:
         typer.echo(f"error: no trajectory {trajectory_id}", err=True)
         raise typer.Exit(1)
@@ -267,7 +266,7 @@ def trajectories_delete(trajectory_id: str | None = typer.Argument(None),
     if (trajectory_id is None) == (before is None):
         typer.echo("error: give a trajectory id or --before DATE (not both)", err=True)
         raise typer.Exit(2)
-    settings = _settings(config)
+    settings = settings_or_exit(config)
     if before is not None:
         try:
             when = datetime.fromisoformat(before)

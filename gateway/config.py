@@ -171,6 +171,36 @@ class RewardSettings(BaseModel):
                 **(self.__pydantic_extra__ or {})}
 
 
+class CanarySettings(_Section):
+    model: str = Field(description="The alias (or model name) whose traffic is split, as clients name it.")
+    target: str = Field(description="Where the canary share goes, usually a candidate version: 'base:adapter@4'.")
+    share: float = Field(ge=0.0, le=1.0, description="Fraction of sessions sent to the target.")
+
+
+class RoutingSettings(_Section):
+    aliases: dict[str, str] = Field(default_factory=dict, description="Model names clients use, and what each "
+                                    "stands for ('support' = 'qwen:sql').")
+    default_model: str | None = Field(None, description="Model for requests that name none, after key and tenant "
+                                      "defaults.")
+    tenant_defaults: dict[str, str] = Field(default_factory=dict,
+                                            description="Per-tenant model for requests that name none.")
+    override_header: str = Field("X-Harness-Model", description="Header that replaces the requested model, for "
+                                 "keys allowed to use it.")
+    canaries: list[CanarySettings] = Field(default_factory=list, description="Shares of a model's traffic sent "
+                                           "elsewhere, sticky per session.")
+    adapters_dir: str = Field("adapters", description="Where uploaded adapters are unpacked.")
+    max_upload_bytes: int = Field(512 * 1024 * 1024, gt=0, description="Largest adapter archive accepted.")
+    refresh_seconds: float = Field(5.0, gt=0, description="How often the registry is re-read and backends are "
+                                   "checked for lost adapters.")
+
+    @model_validator(mode="after")
+    def _check_names(self) -> RoutingSettings:
+        for alias in self.aliases:
+            if alias.startswith("agent:"):
+                raise ValueError(f"alias {alias!r}: the 'agent:' prefix names agent profiles")
+        return self
+
+
 class Settings(_Section):
     server: ServerSettings = Field(default_factory=ServerSettings)
     store: StoreSettings = Field(default_factory=StoreSettings)
@@ -178,8 +208,8 @@ class Settings(_Section):
     tools: ToolsSettings = Field(default_factory=ToolsSettings)
     profiles: list[ProfileSettings] = Field(default_factory=list)
     rewards: RewardSettings = Field(default_factory=RewardSettings)
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
     # Reserved for later work; accepted as free-form tables so configs stay forward compatible.
-    routing: dict[str, Any] = Field(default_factory=dict)
     training: dict[str, Any] = Field(default_factory=dict)
     bot: dict[str, Any] = Field(default_factory=dict)
 
@@ -221,7 +251,7 @@ def _apply_override(data: dict[str, Any], path: list[str], value: Any) -> None:
         else:
             nxt = node.get(part)
             if nxt is None:
-                nxt = [] if part in ("backends", "profiles") else {}
+                nxt = [] if part in ("backends", "profiles", "canaries") else {}
                 node[part] = nxt
             node = nxt
 

@@ -151,6 +151,30 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX feedback_trajectory ON feedback(trajectory_id, source, name);
     """,
+    # 5: the LoRA adapter registry, and per-key routing: a default model and whether a header may override it.
+    # ``published`` versions are kept loaded in every backend serving their base; ``activated_at`` orders the
+    # versions that were active, so rollback can find the previous one.
+    """
+    CREATE TABLE adapters (
+        name TEXT NOT NULL,
+        version INTEGER NOT NULL,
+        base_model TEXT NOT NULL,
+        path TEXT NOT NULL,
+        status TEXT NOT NULL CHECK (status IN ('candidate', 'active', 'retired')),
+        published INTEGER NOT NULL DEFAULT 0,
+        metrics TEXT,
+        parent_version INTEGER,
+        uploaded INTEGER NOT NULL DEFAULT 0,
+        created_at REAL NOT NULL,
+        activated_at REAL,
+        updated_at REAL NOT NULL,
+        PRIMARY KEY (name, version)
+    );
+    CREATE UNIQUE INDEX adapters_one_active ON adapters(name) WHERE status = 'active';
+
+    ALTER TABLE api_keys ADD COLUMN default_model TEXT;
+    ALTER TABLE api_keys ADD COLUMN allow_model_override INTEGER NOT NULL DEFAULT 0;
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)

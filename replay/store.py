@@ -695,20 +695,24 @@ class TrajectoryStore:
 
     # -- API keys ----------------------------------------------------------------------------------
 
-    async def create_key(self, *, tenant: str, name: str | None, capture: bool, secret_hash: str) -> str:
+    async def create_key(self, *, tenant: str, name: str | None, capture: bool, secret_hash: str,
+                         default_model: str | None = None, allow_model_override: bool = False) -> str:
         assert self._writer is not None
         key_id = new_id()
         async with self._write_lock:
             await self._writer.execute(
-                "INSERT INTO api_keys(id, hash, tenant, name, capture, created_at) VALUES (?, ?, ?, ?, ?, ?)",
-                (key_id, secret_hash, tenant, name, int(capture), time.time()))
+                "INSERT INTO api_keys(id, hash, tenant, name, capture, created_at, default_model, allow_model_override)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (key_id, secret_hash, tenant, name, int(capture), time.time(), default_model,
+                 int(allow_model_override)))
             await self._writer.commit()
         return key_id
 
     async def list_keys(self) -> list[dict[str, Any]]:
         assert self._reader is not None
         async with self._reader.execute(
-                "SELECT id, tenant, name, capture, created_at, revoked_at FROM api_keys ORDER BY id") as cur:
+                "SELECT id, tenant, name, capture, default_model, allow_model_override, created_at, revoked_at "
+                "FROM api_keys ORDER BY id") as cur:
             return [dict(r) for r in await cur.fetchall()]
 
     async def revoke_key(self, key_id: str) -> bool:
@@ -722,7 +726,8 @@ class TrajectoryStore:
     async def find_key(self, secret_hash: str) -> dict[str, Any] | None:
         assert self._reader is not None
         async with self._reader.execute(
-                "SELECT id, tenant, name, capture FROM api_keys WHERE hash = ? AND revoked_at IS NULL",
+                "SELECT id, tenant, name, capture, default_model, allow_model_override FROM api_keys "
+                "WHERE hash = ? AND revoked_at IS NULL",
                 (secret_hash,)) as cur:
             row = await cur.fetchone()
         return dict(row) if row else None

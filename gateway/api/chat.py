@@ -10,7 +10,7 @@ from starlette.responses import Response
 from gateway.agent.service import AGENT_PREFIX
 from gateway.api.agent import agent_chat
 from gateway.api.common import json_response, read_json_body
-from gateway.api.exchange import Relay, complete, open_exchange, open_stream
+from gateway.api.exchange import Relay, choose_model, complete, open_exchange, open_stream
 from gateway.errors import error_body
 from gateway.protocol.chat import validate_chat_request
 from gateway.protocol.sse import DONE, encode_event
@@ -22,7 +22,7 @@ async def chat_completions(request: Request) -> Response:
     principal = await gateway.auth.authenticate(request.headers)
     body = await read_json_body(request, gateway.settings.server.max_body_bytes)
     parsed = validate_chat_request(body)
-    if parsed.model.startswith(AGENT_PREFIX):
+    if choose_model(request, principal, parsed, body).startswith(AGENT_PREFIX):
         return await agent_chat(request, principal, parsed, body)
     exchange = await open_exchange(request, principal, body, parsed)
     if not parsed.stream:

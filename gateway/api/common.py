@@ -11,8 +11,8 @@ from starlette.responses import Response
 from gateway.errors import APIError
 
 
-async def read_json_body(request: Request, limit: int) -> Any:
-    """Read at most ``limit`` bytes and decode them as JSON, with a 4xx for anything else."""
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refused with a 413 as soon as it is known to pass ``limit`` bytes."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"Request body is larger than the limit of {limit} bytes.", code="request_too_large")
@@ -24,7 +24,15 @@ async def read_json_body(request: Request, limit: int) -> Any:
             raise APIError(413, f"Request body is larger than the limit of {limit} bytes.",
                            code="request_too_large")
         chunks.append(chunk)
-    raw = b"".join(chunks)
+    return b"".join(chunks)
+
+
+async def read_json_body(request: Request, limit: int) -> Any:
+    """Read at most ``limit`` bytes and decode them as JSON, with a 4xx for anything else."""
+    return parse_json(await read_body(request, limit))
+
+
+def parse_json(raw: bytes) -> Any:
     if not raw:
         raise APIError(400, "Request body is empty; expected a JSON object.", code="invalid_json")
     try:

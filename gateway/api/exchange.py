@@ -21,6 +21,7 @@ from gateway.auth import Principal
 from gateway.backends.base import Backend, BackendError, ChatRequest, ChatResult, ChunkStream
 from gateway.errors import APIError
 from gateway.protocol.chat import ChatCompletionRequest, ChunkAccumulator
+from gateway.routing import Target
 from replay import hashing
 from replay.store import CallRecord, TrajectoryRef, WriteOp, new_id
 
@@ -46,6 +47,18 @@ def session_key(request: Request, body: dict[str, Any]) -> str | None:
     return None
 
 
+def choose_model(request: Request, principal: Principal, parsed: ChatCompletionRequest,
+                 body: dict[str, Any]) -> str:
+    """Routing's first steps (alias, defaults, override header): the name this request stands for replaces its
+    ``model``, where agent profiles and ``open_exchange`` read it."""
+    gateway = request.app.state.gateway
+    request.state.requested_model = parsed.model or None
+    name = gateway.router.name_for(parsed.model or None, principal.caller(),
+                                   request.headers.get(gateway.settings.routing.override_header))
+    parsed.model = body["model"] = name
+    return name
+
+
 @dataclass
 class Exchange:
     """One chat request on its way through: what was asked, where it goes, where it is recorded."""
@@ -53,10 +66,18 @@ class Exchange:
     principal: Principal
     body: dict[str, Any]
     parsed: ChatCompletionRequest
-    backend: Backend
+    target: Target[Backend]
+    requested: str | None
     ref: TrajectoryRef
     prefix: list[str]
     started: float
+
+    @property
+    def backend(self) -> Backend:
+        return self.target.backend
+
+    def chat_request(self, body: dict[str, Any] | None = None) -> ChatRequest:
+        return ChatRequest(body=self.body if body is None else body, model=self.target.base)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -75,8 +96,9 @@ class Exchange:
             status=status,
             tenant=self.principal.tenant,
             key_id=self.principal.key_id,
-            requested_model=self.parsed.model,
-            base_model=self.parsed.model,
+            requested_model=self.requested or self.parsed.model,
+            base_model=self.target.base,
+            adapter=self.target.adapter.backend_name if self.target.adapter else None,
             backend=self.backend.name,
             tools=self.body.get("tools"),
             params={k: self.body[k] for k in _PARAM_KEYS if k in self.body},
@@ -98,19 +120,24 @@ async def open_exchange(request: Request, principal: Principal, body: dict[str, 
     """Route the request and decide its trajectory (before the backend runs, so the id can go out in the
     headers). ``session_body`` is where session ids are read from when it is not the chat body itself."""
     gateway = request.app.state.gateway
-    backend = gateway.backend_for(parsed.model)
-    log_fields = request.scope["state"]["log"]
-    log_fields.update(model=parsed.model, adapter=None, backend=backend.name, stream=parsed.stream)
     messages = body["messages"]
     prefix = hashing.prefix_hashes(messages)
+    session = session_key(request, session_body if session_body is not None else body)
+    anchor = prefix[hashing.anchor_index(messages)]
+    # A canary draw keyed by the session, else by the conversation's opening, keeps a trajectory on one version.
+    target = gateway.route(parsed.model, sticky=session or anchor)
+    log_fields = request.scope["state"]["log"]
+    log_fields.update(model=parsed.model, adapter=target.adapter.backend_name if target.adapter else None,
+                      backend=target.backend.name, stream=parsed.stream)
+    if target.canary:
+        log_fields["canary"] = target.model
     if principal.capture:
-        ref = await gateway.store.resolve(
-            session_key=session_key(request, session_body if session_body is not None else body), prefix=prefix,
-            anchor=prefix[hashing.anchor_index(messages)], tenant=principal.tenant)
+        ref = await gateway.store.resolve(session_key=session, prefix=prefix, anchor=anchor, tenant=principal.tenant)
     else:
         ref = TrajectoryRef(id=new_id(), seq=0, is_new=True)
     log_fields["trajectory_id"] = ref.id
-    return Exchange(principal, body, parsed, backend, ref, prefix, time.perf_counter())
+    requested = getattr(request.state, "requested_model", None)
+    return Exchange(principal, body, parsed, target, requested, ref, prefix, time.perf_counter())
 
 
 Statements = list[tuple[str, tuple[Any, ...]]]
@@ -126,7 +153,7 @@ async def complete(request: Request, exchange: Exchange,
     """A non-streamed completion, guarded and committed (with ``statements_for(result)``) before it returns."""
     records: list[CallRecord] = []
     try:
-        result = await exchange.backend.chat(ChatRequest(body=exchange.body, model=exchange.parsed.model))
+        result = await exchange.backend.chat(exchange.chat_request())
         result = await _guard(request, exchange, result, records)
     except BackendError as exc:
         records.append(exchange.record(status="error", error=exc.message))
@@ -140,7 +167,7 @@ async def complete(request: Request, exchange: Exchange,
 async def open_stream(request: Request, exchange: Exchange) -> ChunkStream:
     """Start a streamed completion; errors before the first chunk become ordinary HTTP errors."""
     try:
-        return await exchange.backend.stream(ChatRequest(body=exchange.body, model=exchange.parsed.model))
+        return await exchange.backend.stream(exchange.chat_request())
     except BackendError as exc:
         await _save(request, exchange, [exchange.record(status="error", error=exc.message)])
         raise as_api_error(exc, exchange) from None
@@ -170,8 +197,7 @@ async def _guard(request: Request, exchange: Exchange, result: ChatResult, recor
                 request.scope["state"]["log"]["invalid_tool_calls"] = len(invalid)
             return result
         sent = guard.retry_messages(sent, result.message, checked)
-        result = await exchange.backend.chat(ChatRequest(body={**exchange.body, "messages": sent},
-                                                         model=exchange.parsed.model))
+        result = await exchange.backend.chat(exchange.chat_request({**exchange.body, "messages": sent}))
     return result
 
 

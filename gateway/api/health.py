@@ -10,7 +10,9 @@ from starlette.responses import JSONResponse, Response
 async def healthz(request: Request) -> Response:
     gateway = request.app.state.gateway
     return JSONResponse({"status": "ok", "models": sorted(gateway.model_map),
-                         "store_queue_depth": gateway.store.queue_depth})
+                         "store_queue_depth": gateway.store.queue_depth,
+                         "adapters": gateway.adapter_manager.loaded(),
+                         "backends": gateway.adapter_manager.health})
 
 
 async def metrics(request: Request) -> Response:

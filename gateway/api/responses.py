@@ -17,7 +17,7 @@ from starlette.responses import Response
 
 from gateway.agent.service import AGENT_PREFIX
 from gateway.api.common import json_response, read_json_body
-from gateway.api.exchange import TRAJECTORY_HEADER, Relay, complete, open_exchange, open_stream
+from gateway.api.exchange import TRAJECTORY_HEADER, Relay, choose_model, complete, open_exchange, open_stream
 from gateway.auth import Principal
 from gateway.backends.base import ChatResult
 from gateway.errors import APIError
@@ -94,7 +94,7 @@ async def create_response(request: Request) -> Response:
     if tool_map.dropped:
         request.scope["state"]["log"]["dropped_tools"] = [t.get("type") for t in tool_map.dropped]
 
-    if parsed.model.startswith(AGENT_PREFIX):
+    if choose_model(request, principal, parsed, chat_body).startswith(AGENT_PREFIX):
         return await _agent_response(request, principal, body, chat_body, tool_map, response_id, created_at)
 
     exchange = await open_exchange(request, principal, chat_body, parsed, session_body=body)

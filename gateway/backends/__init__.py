@@ -12,6 +12,8 @@ def build_backend(settings: BackendSettings) -> Backend:
         from gateway.backends.local import LocalBackend
 
         return LocalBackend(settings)
+    from gateway.backends.lora_servers import SGLangBackend, VLLMBackend
     from gateway.backends.openai_compat import OpenAICompatBackend
 
-    return OpenAICompatBackend(settings)
+    kinds = {"sglang": SGLangBackend, "vllm": VLLMBackend}
+    return kinds.get(settings.kind, OpenAICompatBackend)(settings)

@@ -72,6 +72,27 @@ class Backend(Protocol):
     # the agent's context budget is counted with it, else approximately.
 
 
+class AdapterHost(Protocol):
+    """A backend that serves LoRA adapters, loaded and unloaded at runtime.
+
+    Adapters are known by their backend name (``name@version``), which ``ChatRequest.adapter`` carries.
+    Loading a name already loaded and unloading one not loaded both succeed, so a gateway that lost
+    track (a restart on either side) can always converge by repeating itself.
+    """
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load the adapter folder ``path`` (as the backend sees it) under ``name``; BackendError if it cannot."""
+
+    async def unload_adapter(self, name: str) -> None: ...
+
+    async def loaded_adapters(self) -> set[str] | None:
+        """The adapter names the backend reports as loaded now; None when it cannot tell."""
+
+
+def serves_adapters(backend: Backend) -> bool:
+    return callable(getattr(backend, "load_adapter", None))
+
+
 class BackendError(Exception):
     """A backend could not produce a completion; carries the HTTP status and OpenAI error fields."""
 
@@ -103,3 +124,14 @@ class BackendTimeout(BackendError):
 class BadGateway(BackendError):
     status_code = 502
     error_type = "bad_gateway"
+
+
+class AdapterNotLoaded(BackendError):
+    """The request named an adapter the backend does not hold (never loaded, or lost in a restart)."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, *, adapter: str) -> None:
+        super().__init__(message, code="adapter_not_loaded", param="model")
+        self.adapter = adapter

@@ -42,12 +42,15 @@ def _upstream_error(response: httpx.Response, body: bytes) -> BackendError:
     message = body[:500].decode("utf-8", "replace") or response.reason_phrase
     error_type, code, param = None, None, None
     try:
-        err = orjson.loads(body).get("error")
+        data = orjson.loads(body)
+        err = data.get("error")
         if isinstance(err, dict):
             message = str(err.get("message") or message)
             error_type, code, param = err.get("type"), err.get("code"), err.get("param")
         elif isinstance(err, str):
             message = err
+        elif data.get("object") == "error" and data.get("message"):  # SGLang's errors are not wrapped
+            message = str(data["message"])
     except (orjson.JSONDecodeError, AttributeError):
         pass
     if response.status_code == 429:

@@ -67,7 +67,7 @@ class _StreamOptions(_Open):
 
 
 class ChatCompletionRequest(_Open):
-    model: str = Field(min_length=1)
+    model: str = ""  # none: routing applies the key's, tenant's or configured default
     messages: list[_Message] = Field(min_length=1)
     stream: bool = False
     stream_options: _StreamOptions | None = None

@@ -43,7 +43,8 @@ def serve(tmp_path: Path, script: list) -> Iterator[Served]:
     backend = ScriptedBackend(script)
     gateway = app.state.gateway
     gateway.backends = [backend]
-    gateway.model_map = {"scripted-model": backend}
+    gateway.model_map.clear()  # in place: routing holds this very dict
+    gateway.model_map["scripted-model"] = backend
     with ServerThread(app, lifespan="on") as server:
         yield Served(server.url, backend, app)
 

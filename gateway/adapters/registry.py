@@ -1,0 +1,254 @@
+"""The adapter registry: every version of every LoRA adapter, in the store's SQLite file.
+
+Statuses: ``candidate`` (registered; servable by its explicit ``@version``), ``active`` (what
+``base:adapter`` resolves to; at most one per name) and ``retired`` (never served again). ``published``
+versions are kept loaded in every backend serving their base. Operations are short transactions on their
+own connection (``BEGIN IMMEDIATE``), so the gateway and the CLI can change the same registry safely.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
+
+import orjson
+
+from replay.schema import migrate
+
+T = TypeVar("T")
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+STATUSES = ("candidate", "active", "retired")
+
+
+class RegistryError(Exception):
+    """A registry operation that cannot be done; ``status`` is the HTTP status the admin API answers."""
+
+    def __init__(self, message: str, *, status: int = 400, code: str = "invalid_adapter") -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.code = code
+
+
+@dataclass(frozen=True)
+class AdapterVersion:
+    name: str
+    version: int
+    base_model: str
+    path: str
+    status: str
+    published: bool
+    metrics: dict[str, Any] | None
+    parent_version: int | None
+    uploaded: bool
+    created_at: float
+    activated_at: float | None
+
+    @property
+    def backend_name(self) -> str:
+        """The name backends load this version under: a new version never replaces an old one in place."""
+        return f"{self.name}@{self.version}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "backend_name": self.backend_name}
+
+
+def check_name(name: str) -> str:
+    if not NAME_PATTERN.fullmatch(name or ""):
+        raise RegistryError(f"adapter name {name!r} must be 1-64 letters, digits, '.', '_' or '-' "
+                            "(no ':' or '@', which model names use)", code="invalid_adapter_name")
+    return name
+
+
+def parse_ref(ref: str) -> tuple[str, int | None]:
+    """``name`` or ``name@version``."""
+    name, sep, version = ref.partition("@")
+    if sep and not version.isdigit():
+        raise RegistryError(f"{ref!r}: the version after '@' must be a number", code="invalid_adapter_version")
+    return check_name(name), int(version) if sep else None
+
+
+def _row(row: sqlite3.Row) -> AdapterVersion:
+    return AdapterVersion(
+        name=row["name"], version=row["version"], base_model=row["base_model"], path=row["path"],
+        status=row["status"], published=bool(row["published"]),
+        metrics=orjson.loads(row["metrics"]) if row["metrics"] else None, parent_version=row["parent_version"],
+        uploaded=bool(row["uploaded"]), created_at=row["created_at"], activated_at=row["activated_at"])
+
+
+class AdapterRegistry:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._migrated = False
+
+    @contextmanager
+    def _connect(self) -> Iterator[sqlite3.Connection]:
+        conn = sqlite3.connect(self.path, isolation_level=None, timeout=10.0)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA busy_timeout=10000")
+            if not self._migrated:
+                migrate(conn)
+                self._migrated = True
+            conn.row_factory = sqlite3.Row
+            yield conn
+        finally:
+            conn.close()
+
+    def _transaction(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        with self._connect() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                result = fn(conn)
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+            return result
+
+    # -- reads -------------------------------------------------------------------------------------
+
+    def all(self) -> list[AdapterVersion]:
+        with self._connect() as conn:
+            return [_row(r) for r in conn.execute("SELECT * FROM adapters ORDER BY name, version")]
+
+    def stamp(self) -> tuple[int, float]:
+        """Changes whenever any version changes: the gateway re-reads the registry only then."""
+        with self._connect() as conn:
+            count, updated = conn.execute("SELECT COUNT(*), COALESCE(MAX(updated_at), 0) FROM adapters").fetchone()
+            return int(count), float(updated)
+
+    def get(self, name: str, version: int | None = None) -> AdapterVersion:
+        with self._connect() as conn:
+            return _get(conn, name, version)
+
+    # -- changes -----------------------------------------------------------------------------------
+
+    def register(self, name: str, base_model: str, path: str | Callable[[int], str], *,
+                 metrics: dict[str, Any] | None = None, parent_version: int | None = None,
+                 uploaded: bool = False) -> AdapterVersion:
+        """Add the next version of ``name`` as a candidate. ``path`` may be a function of the new version
+        number (an upload is moved to its final folder inside the same transaction)."""
+        check_name(name)
+        if not base_model:
+            raise RegistryError("an adapter needs the base model it was trained on", code="invalid_base_model")
+
+        def run(conn: sqlite3.Connection) -> AdapterVersion:
+            (latest,) = conn.execute("SELECT COALESCE(MAX(version), 0) FROM adapters WHERE name = ?",
+                                     (name,)).fetchone()
+            others = conn.execute("SELECT DISTINCT base_model FROM adapters WHERE name = ?", (name,)).fetchall()
+            if others and others[0][0] != base_model:
+                raise RegistryError(f"adapter {name!r} belongs to base model {others[0][0]!r}, not {base_model!r}",
+                                    status=409, code="base_model_mismatch")
+            parent = parent_version
+            if parent is None:
+                active = conn.execute("SELECT version FROM adapters WHERE name = ? AND status = 'active'",
+                                      (name,)).fetchone()
+                parent = active[0] if active else None
+            version = latest + 1
+            now = time.time()
+            conn.execute(
+                "INSERT INTO adapters(name, version, base_model, path, status, published, metrics, parent_version, "
+                "uploaded, created_at, updated_at) VALUES (?, ?, ?, ?, 'candidate', 0, ?, ?, ?, ?, ?)",
+                (name, version, base_model, path(version) if callable(path) else path,
+                 orjson.dumps(metrics).decode() if metrics is not None else None, parent, int(uploaded), now, now))
+            return _get(conn, name, version)
+
+        return self._transaction(run)
+
+    def publish(self, name: str, version: int | None = None) -> AdapterVersion:
+        """Mark a version to be loaded everywhere its base is served (the newest when none is named)."""
+        def run(conn: sqlite3.Connection) -> AdapterVersion:
+            found = _get(conn, name, version)
+            _refuse_retired(found, "publish")
+            _update(conn, found, published=1)
+            return _get(conn, name, found.version)
+
+        return self._transaction(run)
+
+    def promote(self, name: str, version: int) -> tuple[AdapterVersion, AdapterVersion | None]:
+        """Make ``version`` the one ``base:name`` resolves to; returns it and the version it replaced."""
+        def run(conn: sqlite3.Connection) -> tuple[AdapterVersion, AdapterVersion | None]:
+            found = _get(conn, name, version)
+            _refuse_retired(found, "promote")
+            old = _active(conn, name)
+            if old is not None and old.version == found.version:
+                return found, None
+            if old is not None:
+                _update(conn, old, status="candidate", published=0)
+            _update(conn, found, status="active", published=1, activated_at=time.time())
+            return _get(conn, name, found.version), old
+
+        return self._transaction(run)
+
+    def rollback(self, name: str) -> tuple[AdapterVersion, AdapterVersion]:
+        """Re-activate the version that was active before the current one; returns (restored, demoted).
+        The demoted version forgets it was active, so rolling back again goes one further back."""
+        def run(conn: sqlite3.Connection) -> tuple[AdapterVersion, AdapterVersion]:
+            current = _active(conn, name)
+            if current is None:
+                _get(conn, name, None)  # 404 when the name is unknown
+                raise RegistryError(f"adapter {name!r} has no active version to roll back from", status=409,
+                                    code="nothing_to_roll_back")
+            row = conn.execute(
+                "SELECT * FROM adapters WHERE name = ? AND version != ? AND status != 'retired' "
+                "AND activated_at IS NOT NULL ORDER BY activated_at DESC LIMIT 1", (name, current.version)).fetchone()
+            if row is None:
+                raise RegistryError(f"adapter {name!r} has no earlier active version to roll back to", status=409,
+                                    code="nothing_to_roll_back")
+            previous = _row(row)
+            _update(conn, current, status="candidate", published=0, activated_at=None)
+            _update(conn, previous, status="active", published=1)
+            return _get(conn, name, previous.version), _get(conn, name, current.version)
+
+        return self._transaction(run)
+
+    def retire(self, name: str, version: int) -> AdapterVersion:
+        def run(conn: sqlite3.Connection) -> AdapterVersion:
+            found = _get(conn, name, version)
+            _update(conn, found, status="retired", published=0)
+            return _get(conn, name, version)
+
+        return self._transaction(run)
+
+    def set_metrics(self, name: str, version: int, metrics: dict[str, Any]) -> AdapterVersion:
+        def run(conn: sqlite3.Connection) -> AdapterVersion:
+            found = _get(conn, name, version)
+            _update(conn, found, metrics=orjson.dumps({**(found.metrics or {}), **metrics}).decode())
+            return _get(conn, name, version)
+
+        return self._transaction(run)
+
+
+def _get(conn: sqlite3.Connection, name: str, version: int | None) -> AdapterVersion:
+    if version is None:
+        row = conn.execute("SELECT * FROM adapters WHERE name = ? ORDER BY version DESC LIMIT 1", (name,)).fetchone()
+    else:
+        row = conn.execute("SELECT * FROM adapters WHERE name = ? AND version = ?", (name, version)).fetchone()
+    if row is None:
+        what = f"{name}@{version}" if version is not None else name
+        raise RegistryError(f"no adapter {what!r} in the registry", status=404, code="adapter_not_found")
+    return _row(row)
+
+
+def _active(conn: sqlite3.Connection, name: str) -> AdapterVersion | None:
+    row = conn.execute("SELECT * FROM adapters WHERE name = ? AND status = 'active'", (name,)).fetchone()
+    return _row(row) if row else None
+
+
+def _refuse_retired(found: AdapterVersion, action: str) -> None:
+    if found.status == "retired":
+        raise RegistryError(f"{found.backend_name} is retired; register it again to {action} it", status=409,
+                            code="adapter_retired")
+
+
+def _update(conn: sqlite3.Connection, found: AdapterVersion, **fields: Any) -> None:
+    columns = ", ".join(f"{k} = ?" for k in fields)
+    conn.execute(f"UPDATE adapters SET {columns}, updated_at = ? WHERE name = ? AND version = ?",
+                 (*fields.values(), time.time(), found.name, found.version))

@@ -1,0 +1,144 @@
+"""SGLang and vLLM: OpenAI-compatible servers that load and unload LoRA adapters at runtime.
+
+Both take ``{"lora_name", "lora_path"}`` to load and ``{"lora_name"}`` to unload; they differ in where those
+routes live, in how a request names its adapter (SGLang: ``base:adapter``; vLLM: the adapter's own name), and
+in their probes. vLLM accepts runtime loading only when started with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import httpx2 as httpx
+import orjson
+
+from gateway.backends.base import AdapterNotLoaded, BackendError, BackendUnavailable, ChatRequest, ChatResult
+from gateway.backends.openai_compat import OpenAICompatBackend, UpstreamStream
+
+# An upstream's "no such adapter" answers; naming the adapter is what makes one about the adapter. SGLang:
+# "Got LoRA adapter that has never been loaded: X" (chat), "LoRA with name X does not exist" (unload),
+# "... because it is already loaded" (load). vLLM: "The model `X` does not exist" (chat), "The lora adapter
+# 'X' cannot be found" (unload), "... has already been loaded" (load).
+_MISSING = re.compile(r"never been loaded|not (be )?(found|loaded)|does not exist|cannot be found|unknown|no such",
+                      re.IGNORECASE)
+_ALREADY = re.compile(r"already (been )?(loaded|exists?)", re.IGNORECASE)
+
+
+class _LoRAServer(OpenAICompatBackend):
+    load_route = "/load_lora_adapter"
+    unload_route = "/unload_lora_adapter"
+    info_route = "/v1/models"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.root = re.sub(r"/v1/?$", "", str(self.settings.base_url).rstrip("/"))
+
+    async def _admin(self, method: str, route: str, body: dict[str, Any] | None = None) -> httpx.Response:
+        assert self._client is not None, "backend not started"
+        try:
+            return await self._client.request(method, self.root + route, content=orjson.dumps(body) if body else None,
+                                              headers={"Content-Type": "application/json"} if body else None)
+        except httpx.TransportError as exc:
+            raise BackendUnavailable(f"backend {self.name!r} is unreachable: {exc or type(exc).__name__}") from None
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        response = await self._admin("POST", self.load_route, self._load_body(name, path))
+        if response.status_code >= 400 and not _ALREADY.search(response.text):
+            raise BackendError(f"backend {self.name!r} could not load adapter {name!r} from {path}: "
+                               f"{_message(response)}", status_code=502, code="adapter_load_failed")
+
+    def _load_body(self, name: str, path: str) -> dict[str, Any]:
+        return {"lora_name": name, "lora_path": path}
+
+    async def unload_adapter(self, name: str) -> None:
+        response = await self._admin("POST", self.unload_route, {"lora_name": name})
+        if response.status_code >= 400 and not _MISSING.search(response.text):
+            raise BackendError(f"backend {self.name!r} could not unload adapter {name!r}: {_message(response)}",
+                               status_code=502, code="adapter_unload_failed")
+
+    async def loaded_adapters(self) -> set[str] | None:
+        """The adapters ``/v1/models`` lists: the cards whose ``parent`` is a base model."""
+        response = await self._admin("GET", "/v1/models")
+        if response.status_code >= 400:
+            raise BackendUnavailable(f"backend {self.name!r} answered {response.status_code} to /v1/models")
+        try:
+            cards = orjson.loads(response.content).get("data") or []
+        except (orjson.JSONDecodeError, AttributeError):
+            return None
+        return {self._adapter_of(card) for card in cards if card.get("parent") and card.get("id")} - {""}
+
+    def _adapter_of(self, card: dict[str, Any]) -> str:
+        return str(card["id"])
+
+    async def probe(self) -> dict[str, Any]:
+        """Health and what the server says it serves, for ``/healthz``."""
+        try:
+            health = await self._admin("GET", "/health")
+            info = await self._admin("GET", self.info_route)
+        except BackendUnavailable as exc:
+            return {"healthy": False, "error": exc.message}
+        detail: Any = None
+        if info.status_code < 400:
+            try:
+                detail = orjson.loads(info.content)
+            except orjson.JSONDecodeError:
+                detail = None
+        return {"healthy": health.status_code == 200, "info": detail}
+
+    def _missing_adapter(self, request: ChatRequest, exc: BackendError) -> BackendError:
+        if (request.adapter and exc.status_code in (400, 404) and request.adapter in exc.message
+                and _MISSING.search(exc.message)):
+            return AdapterNotLoaded(exc.message, adapter=request.adapter)
+        return exc
+
+    async def chat(self, request: ChatRequest) -> ChatResult:
+        try:
+            return await super().chat(request)
+        except BackendError as exc:
+            raise self._missing_adapter(request, exc) from None
+
+    async def stream(self, request: ChatRequest) -> UpstreamStream:
+        try:
+            return await super().stream(request)
+        except BackendError as exc:
+            raise self._missing_adapter(request, exc) from None
+
+
+class SGLangBackend(_LoRAServer):
+    """SGLang: ``model: "base:adapter"``; load and unload at the server root; ``pinned`` stays false so SGLang
+    may evict an idle adapter under ``--max-loaded-loras`` (a request for it then reloads it)."""
+
+    info_route = "/get_model_info"
+
+    def upstream_model(self, request: ChatRequest) -> str:
+        return f"{request.model}:{request.adapter}" if request.adapter else request.model
+
+    def _load_body(self, name: str, path: str) -> dict[str, Any]:
+        return {"lora_name": name, "lora_path": path, "pinned": False}
+
+
+class VLLMBackend(_LoRAServer):
+    """vLLM: an adapter is a model of its own name (``parent`` = the base); routes under ``/v1``."""
+
+    load_route = "/v1/load_lora_adapter"
+    unload_route = "/v1/unload_lora_adapter"
+
+    def upstream_model(self, request: ChatRequest) -> str:
+        return request.adapter or request.model
+
+
+def _message(response: httpx.Response) -> str:
+    text = response.text[:500]
+    try:
+        body = orjson.loads(response.content)
+    except orjson.JSONDecodeError:
+        return text or response.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict):
+            return str(err.get("message") or text)
+        for key in ("message", "error_message", "error", "detail"):
+            if body.get(key):
+                return str(body[key])
+    return text
