@@ -20,6 +20,7 @@ from gateway.cli_support import ConfigOption, settings_or_exit
 from gateway.config import ConfigError, Settings
 from replay.cli import app as replay_app
 from replay.store import TrajectoryStore
+from training.cli import register as register_training_commands
 
 T = TypeVar("T")
 
@@ -31,6 +32,7 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(traj_app, name="trajectories")
 app.add_typer(replay_app, name="replay")
 app.add_typer(adapters_app, name="adapters")
+register_training_commands(app)
 
 console = Console()
 

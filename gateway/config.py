@@ -201,6 +201,49 @@ class RoutingSettings(_Section):
         return self
 
 
+class GateSettings(_Section):
+    """How much worse than the reference (the active adapter, else the base) a candidate may be on the test split."""
+
+    success_rate: float = Field(0.0, ge=0, description="Largest drop in task success rate allowed.")
+    valid_call_rate: float = Field(0.0, ge=0, description="Largest drop in the valid tool-call rate allowed.")
+    recovery_rate: float = Field(0.05, ge=0, description="Largest drop in the recovery rate after a tool failure.")
+    invalid_call_rate: float = Field(0.05, ge=0, description="Largest rise in the invalid tool-call rate allowed.")
+    mean_steps: float = Field(1.0, ge=0, description="Largest rise in mean steps per task allowed.")
+    general_perplexity: float = Field(0.05, ge=0, description="Largest relative rise in perplexity on held-out "
+                                      "general data (0.05 = 5%).")
+
+
+class TrainingSettings(_Section):
+    base_model: str = Field(DEFAULT_MODEL_NAME, description="The served base model adapters are trained for.")
+    model_path: str | None = Field(None, description="Weights to train on: a GGUF or checkpoint folder; default "
+                                   "the embedded model.")
+    output_dir: str = Field("runs", description="Where training runs write checkpoints, metrics and plots.")
+    rank: int = Field(16, gt=0, description="LoRA rank.")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha (scale = alpha / rank).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Modules LoRA adapts.")
+    learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate (linear warm-up, then cosine decay).")
+    epochs: float = Field(2.0, gt=0, description="Passes over the training rows.")
+    batch_size: int = Field(8, gt=0, description="Rows per micro-batch.")
+    grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
+    max_seq_len: int = Field(1024, gt=0, description="Rows longer than this are cut from the left of the prompt.")
+    checkpoints: int = Field(3, gt=0, description="Checkpoints saved per run, evenly spaced; validation picks one.")
+    seed: int = Field(0, description="Seed for shuffling, mixing and initialisation.")
+    min_recovered_share: float = Field(0.2, ge=0, le=1, description="Least share of rows from trajectories that "
+                                       "recovered after a failed tool call (repeated to reach it).")
+    general_share: float = Field(0.1, ge=0, lt=1, description="Share of rows from general data, against forgetting.")
+    general_data: str | None = Field(None, description="A JSONL file of chat conversations for the general rows "
+                                     "and check; default the base model's own answers to prompts shipped "
+                                     "with the project.")
+    suite: str = Field("tools", description="The task suite replay-train evaluates and gates on.")
+    eval_concurrency: int = Field(8, gt=0, description="Episodes run at once during evaluation.")
+    eval_max_tokens: int = Field(160, gt=0, description="Most tokens the model may write per step in an evaluation "
+                                 "episode.")
+    gate: GateSettings = Field(default_factory=GateSettings)
+
+
 class Settings(_Section):
     server: ServerSettings = Field(default_factory=ServerSettings)
     store: StoreSettings = Field(default_factory=StoreSettings)
@@ -209,8 +252,8 @@ class Settings(_Section):
     profiles: list[ProfileSettings] = Field(default_factory=list)
     rewards: RewardSettings = Field(default_factory=RewardSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
-    # Reserved for later work; accepted as free-form tables so configs stay forward compatible.
-    training: dict[str, Any] = Field(default_factory=dict)
+    training: TrainingSettings = Field(default_factory=TrainingSettings)
+    # Reserved for later work; accepted as a free-form table so configs stay forward compatible.
     bot: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")

@@ -95,8 +95,6 @@ def with_filters(fn: Callable[..., Any]) -> Callable[..., Any]:
 # -- shared plumbing ------------------------------------------------------------------------------------------
 
 
-
-
 def _store_path(config: str | None, store: str | None) -> tuple[Any, str]:
     from gateway.logging import configure_logging
 

@@ -4,10 +4,25 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from transformers import PreTrainedTokenizerBase
 
+from gateway.backends.local_model import load_tokenizer
 from replay.store import TrajectoryStore
+from tests.models import tiny_llama
 from tests.processes import GatewayProcess, upstream_config
 from tests.standin import ServerThread, StandIn
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer() -> PreTrainedTokenizerBase:
+    """The embedded model's tokenizer: instant from the model cache, else read from the GGUF (~7 s)."""
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smol_tokenizer: PreTrainedTokenizerBase) -> Path:
+    """A 2-layer Llama with random weights and the SmolLM2 tokenizer (``tests/models.py``)."""
+    return tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smol_tokenizer)
 
 
 @pytest.fixture(scope="session")

@@ -130,12 +130,13 @@ class Guard:
                     "Use the results you have or try something else.")
         return None
 
-    def end_step(self, signatures: list[str]) -> None:
+    def end_step(self, signatures: list[str], *, failed: set[str] | frozenset[str] = frozenset()) -> None:
+        """Count the step's calls; those in ``failed`` may be repeated at once (a retry), the rest may not."""
         b = self.budget
         for sig in signatures:
             b.call_counts[sig] = b.call_counts.get(sig, 0) + 1
         b.refused_repeat = [s for s in b.refused_repeat if s in signatures]
-        b.previous_step_calls = signatures
+        b.previous_step_calls = [s for s in signatures if s not in failed]
 
     def tool_result(self, name: str, ok: bool) -> str | None:
         """Count failures per tool; a nudge when a tool keeps failing, and a stop after as many more."""

@@ -192,12 +192,11 @@ class AgentLoop:
 
         stop: Termination | None = None
         refusals: dict[str, str] = {}
-        signatures = []
+        signatures: dict[str, str] = {}  # call id -> signature
         for c in checked:
             if not c.valid:
                 continue
-            sig = call_signature(c.name, c.arguments)
-            signatures.append(sig)
+            sig = signatures[c.id] = call_signature(c.name, c.arguments)
             try:
                 refusal = self.guard.check_repeat(sig, c.name)
             except Termination as exc:
@@ -235,7 +234,10 @@ class AgentLoop:
                                               "output": o.output[:500]} for c, o in record.calls])
         if nudges:
             state.messages.append({"role": "user", "content": "\n".join(nudges)})
-        self.guard.end_step(signatures)
+        # A call that failed (error, timeout, empty result) may be retried as it was: that is recovering.
+        failed = {signatures[c.id] for c, o in record.calls if c.id in signatures and (
+            o.status in ("error", "timeout") or (o.status == "ok" and not o.output.strip()))}
+        self.guard.end_step(list(signatures.values()), failed=failed)
         await self._persist(record)
         if stop is not None:
             raise stop

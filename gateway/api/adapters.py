@@ -1,7 +1,8 @@
 """``/admin/adapters``: the adapter registry and lifecycle over HTTP (admin key only).
 
-Register with JSON ``{"name", "base", "path"}`` (a folder the backends can read), or upload the folder as a
-tar archive (``Content-Type: application/x-tar`` or ``application/gzip``) with ``?name=N&base=B``.
+Register with JSON ``{"name", "base", "path", "metrics"?}`` (a folder the backends can read), or upload the
+folder as a tar archive (``Content-Type: application/x-tar`` or ``application/gzip``) with ``?name=N&base=B``
+(and optionally ``&metrics=<JSON object>``).
 """
 
 from __future__ import annotations
@@ -72,8 +73,11 @@ async def register(request: Request) -> Response:
             query = request.query_params
             if not query.get("name") or not query.get("base"):
                 raise APIError(400, "an uploaded archive needs ?name=N&base=B", param="name", code="missing_name")
+            metrics = parse_json(query["metrics"].encode()) if query.get("metrics") else None
+            if metrics is not None and not isinstance(metrics, dict):
+                raise APIError(400, "'metrics' must be a JSON object", param="metrics")
             data = await read_body(request, service.max_upload_bytes)
-            version = await service.register(query["name"], query["base"], upload=data)
+            version = await service.register(query["name"], query["base"], upload=data, metrics=metrics)
         else:
             body = await read_json_body(request, _JSON_LIMIT)
             if not isinstance(body, dict):

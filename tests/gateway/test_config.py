@@ -69,17 +69,19 @@ def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
 def test_every_setting_is_documented() -> None:
     from gateway.config import (
         BackendSettings,
+        GateSettings,
         ProfileSettings,
         RewardSettings,
         RoutingSettings,
         ServerSettings,
         StoreSettings,
         ToolsSettings,
+        TrainingSettings,
     )
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     for model in (ServerSettings, StoreSettings, BackendSettings, ToolsSettings, ProfileSettings, RewardSettings,
-                  RoutingSettings):
+                  RoutingSettings, TrainingSettings, GateSettings):
         for name, field in model.model_fields.items():
             if not field.exclude:
                 assert f"| `{name}` |" in doc, f"{model.__name__}.{name} is missing from docs/configuration.md"

@@ -112,6 +112,23 @@ async def test_back_to_back_repeat_is_refused_then_ends_the_run(store) -> None:
     _assert_paired(state.messages)
 
 
+async def test_a_failed_call_may_be_retried_as_it_was(store) -> None:
+    flaky_calls = []
+
+    async def flaky(args: dict) -> str:
+        flaky_calls.append(args)
+        if len(flaky_calls) == 1:
+            raise TimeoutError("upstream slow")
+        return "21 °C"
+
+    box = Box({"flaky": ({"type": "object", "properties": {"city": {"type": "string"}}}, flaky)})
+    same = lambda: call("flaky", {"city": "Paris"})  # noqa: E731
+    state, _, _ = await run_agent(store, [same(), same(), "It is 21 °C."], box=box)
+    assert state.status == "completed" and len(flaky_calls) == 2
+    first, second = (m["content"] for m in _tool_messages(state))
+    assert first.startswith("Tool flaky timed out") and second == "21 °C"
+
+
 async def test_non_adjacent_repeats_are_allowed(store) -> None:
     paris, rome = ({"city": "Paris"}, {"city": "Rome"})
     script = [call("get_weather", paris), call("get_weather", rome), call("get_weather", paris),

@@ -1,0 +1,211 @@
+"""Replay-train: what the training code costs.
+
+    python bench/training.py [--section sft|eval] [--tiny] [--batch 4] [--seq-len 256] [--steps 6] [--warmup 2]
+                             [--repeats 2] [--rank 16] [--episodes 16] [--concurrency 8]
+                             [--model-path PATH] [--threads T]
+
+Sections (``--section``, repeatable; default all):
+
+- ``sft``: training tokens per second of ``training.sft.train_sft`` against a bare peft loop (the same model,
+  the same LoRA config, the same batch; plain forward with ``labels``, backward, AdamW step, nothing else).
+  Both see ``--steps`` measured steps after ``--warmup`` unmeasured ones, on one batch of ``--batch`` rows of
+  exactly ``--seq-len`` tokens (random ids, the second half labelled), so neither pays for padding and the
+  work per step is identical. ``train_sft`` is timed by its own per-step figures (``metrics.jsonl`` with
+  ``log_every=1``: forward, loss, backward, clipping, optimizer and schedule), the bare loop the same way;
+  each figure is the best of ``--repeats`` runs, alternating the two. Target: ratio at least 0.8.
+  Default model: the embedded SmolLM2-135M (from its cache); ``--tiny`` uses a tiny random Llama instead,
+  for a quick check of the script.
+
+- ``eval``: evaluation throughput: episodes (and model calls) per minute of the tools suite's validation tasks
+  through the agent loop on the base model, one episode at a time against ``--concurrency`` at once.
+
+Not a test: it prints numbers. Figures depend on the machine and on what else it is doing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import structlog  # noqa: E402
+import torch  # noqa: E402
+
+from gateway.backends.local_model import LoadedModel, load_model, load_tokenizer  # noqa: E402
+from training.data import IGNORE, Example, pad_batch  # noqa: E402
+from training.sft import SFTConfig, train_sft, wrap_lora  # noqa: E402
+
+# -- sft -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Figure:
+    label: str
+    tokens_per_second: float
+    step_seconds: float
+
+
+def tiny_model_dir(folder: Path) -> Path:
+    """A 2-layer random Llama with the SmolLM2 tokenizer (what the tests use)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = load_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def bench_rows(batch: int, seq_len: int, vocab: int) -> list[Example]:
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(batch):
+        ids = torch.randint(100, vocab, (seq_len,), generator=generator).tolist()
+        half = seq_len // 2
+        rows.append(Example(input_ids=ids, labels=[IGNORE] * half + ids[half:]))
+    return rows
+
+
+def load(args: argparse.Namespace) -> LoadedModel:
+    return load_model(args.model_path)
+
+
+def bare_peft_loop(args: argparse.Namespace, config: SFTConfig, rows: list[Example]) -> Figure:
+    """The floor: peft's model, its built-in loss, backward, AdamW. No schedule, clipping, logging or bookkeeping."""
+    loaded = load(args)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(config.seed)
+    model = wrap_lora(loaded.model, config).to(device)
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate)
+    batch = pad_batch(rows, loaded.tokenizer.pad_token_id or 0).to(device)
+    seconds = []
+    for _ in range(args.warmup + args.steps):
+        started = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.item()  # wait for the device, as train_sft does when it reads the loss
+        seconds.append(time.perf_counter() - started)
+    measured = sum(seconds[args.warmup:])
+    return Figure("bare peft loop", batch.tokens * args.steps / measured, measured / args.steps)
+
+
+def sft_loop(args: argparse.Namespace, config: SFTConfig, rows: list[Example]) -> Figure:
+    loaded = load(args)
+    steps = args.warmup + args.steps
+    with tempfile.TemporaryDirectory() as out:
+        train_sft(None, rows * steps, config, Path(out), loaded=loaded)
+        lines = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    tokens = sum(len(r.input_ids) for r in rows)
+    # One line per step (log_every=1), each the step's own tokens per second.
+    measured = sum(tokens / line["tokens_per_second"] for line in lines[args.warmup:])
+    return Figure("training.sft", tokens * args.steps / measured, measured / args.steps)
+
+
+def section_sft(args: argparse.Namespace) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.tiny:
+        args.model_path = str(tiny_model_dir(Path(tempfile.mkdtemp(prefix="bench-tiny-"))))
+    vocab = len(load_tokenizer(args.model_path))
+    rows = bench_rows(args.batch, args.seq_len, vocab)
+    # One batch a step, every step the same shape; a checkpoint only at the end (outside the timing).
+    config = SFTConfig(rank=args.rank, alpha=2.0 * args.rank, batch_size=args.batch, epochs=1.0, checkpoints=1,
+                       log_every=1, learning_rate=1e-4, max_seq_len=args.seq_len)
+    best: dict[str, Figure] = {}
+    for _ in range(args.repeats):
+        for run in (bare_peft_loop, sft_loop):
+            figure = run(args, config, rows)
+            if figure.label not in best or figure.tokens_per_second > best[figure.label].tokens_per_second:
+                best[figure.label] = figure
+    bare, ours = best["bare peft loop"], best["training.sft"]
+    device = "cuda" if torch.cuda.is_available() else f"cpu, {torch.get_num_threads()} threads"
+    model = "tiny random Llama" if args.tiny else (args.model_path or "embedded SmolLM2-135M")
+    print(f"\nsft: {model}, {device}; batch {args.batch} x {args.seq_len} tokens, LoRA rank {args.rank} on "
+          f"{len(config.target_modules)} module kinds; {args.steps} steps after {args.warmup}, best of {args.repeats}")
+    print(f"{'loop':<18}{'tokens/s':>12}{'s/step':>10}")
+    for figure in (bare, ours):
+        print(f"{figure.label:<18}{figure.tokens_per_second:>12.1f}{figure.step_seconds:>10.3f}")
+    ratio = ours.tokens_per_second / bare.tokens_per_second
+    print(f"ratio training.sft / bare: {ratio:.3f} (target >= 0.8: {'PASS' if ratio >= 0.8 else 'FAIL'})")
+
+
+def section_eval(args: argparse.Namespace) -> None:
+    """Episodes per minute of the suite through the agent loop on the base model: ``--episodes`` tasks of the
+    validation split, run one at a time and ``--concurrency`` at a time (the backend batches their calls)."""
+    import asyncio
+
+    from gateway.config import TrainingSettings
+    from training.evaluate import Evaluator
+    from training.tasks import get_suite
+
+    if args.tiny and not args.model_path:
+        args.model_path = str(tiny_model_dir(Path(tempfile.mkdtemp(prefix="bench-tiny-"))))
+    suite = get_suite("tools")
+    tasks = suite.tasks("validation")[:args.episodes]
+
+    async def rate(concurrency: int) -> tuple[float, float]:
+        settings = TrainingSettings(model_path=args.model_path, eval_concurrency=concurrency)
+        async with Evaluator(settings) as evaluator:
+            started = time.perf_counter()
+            episodes = await evaluator.episodes(suite, tasks)
+            seconds = time.perf_counter() - started
+        return len(episodes) / seconds * 60, sum(e.steps for e in episodes) / seconds * 60
+
+    figures = {c: asyncio.run(rate(c)) for c in (1, args.concurrency)}
+    model = "tiny random Llama" if args.tiny else (args.model_path or "embedded SmolLM2-135M")
+    print(f"\neval: {model}, {len(tasks)} validation episodes of the tools suite, greedy, base model")
+    print(f"{'concurrency':<14}{'episodes/min':>14}{'model calls/min':>18}")
+    for concurrency, (episodes, calls) in figures.items():
+        print(f"{concurrency:<14}{episodes:>14.1f}{calls:>18.1f}")
+    print(f"ratio {args.concurrency} at once / one at a time: {figures[args.concurrency][0] / figures[1][0]:.2f}x")
+
+
+# Sections run in this order.
+SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "sft": section_sft,
+    "eval": section_eval,
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--section", action="append", choices=sorted(SECTIONS),
+                        help="run only this section (repeatable; default: all)")
+    parser.add_argument("--model-path", help="a GGUF file or checkpoint folder (default: the embedded model)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of the embedded model")
+    parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    sft = parser.add_argument_group("sft")
+    sft.add_argument("--batch", type=int, default=4, help="rows per step (default 4)")
+    sft.add_argument("--seq-len", type=int, default=256, help="tokens per row (default 256)")
+    sft.add_argument("--steps", type=int, default=6, help="measured steps (default 6)")
+    sft.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (default 2)")
+    sft.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16, alpha 2x rank)")
+    sft.add_argument("--repeats", type=int, default=2, help="runs per figure; the best is kept")
+    evaluation = parser.add_argument_group("eval")
+    evaluation.add_argument("--episodes", type=int, default=16, help="validation tasks run (default 16)")
+    evaluation.add_argument("--concurrency", type=int, default=8, help="episodes at once (default 8)")
+    args = parser.parse_args(argv)
+    # Training logs every step here; the table is what this script is for.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    for name in args.section or list(SECTIONS):
+        SECTIONS[name](args)
+
+
+if __name__ == "__main__":
+    main()

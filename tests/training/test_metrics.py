@@ -1,0 +1,41 @@
+"""Suite metrics from episodes, against hand-computed values."""
+
+from __future__ import annotations
+
+from training.metrics import Episode, format_value, metrics_of
+
+
+def episode(success: bool, steps: int, calls: int, invalid: int, *, family: str = "calculator",
+            faulted: bool = False) -> Episode:
+    return Episode(task_id="t", family=family, success=success, steps=steps, tool_calls=calls, invalid_calls=invalid,
+                   needs_tools=family != "cannot", faulted=faulted, status="completed", termination_reason=None,
+                   final="", run_id="r")
+
+
+def test_metrics_match_hand_computed_values() -> None:
+    episodes = [
+        episode(True, 2, 1, 0),                       # valid use
+        episode(False, 3, 2, 1),                      # one invalid call: not valid use
+        episode(False, 1, 0, 0),                      # never called a tool: not valid use
+        episode(True, 1, 0, 0, family="cannot"),      # needs no tool: not counted for validity
+        episode(True, 3, 2, 0, faulted=True),         # recovered
+        episode(False, 4, 1, 0, faulted=True),        # did not recover
+    ]
+    m = metrics_of(episodes)
+    assert m["success_rate"] == 3 / 6
+    assert m["mean_steps"] == (2 + 3 + 1 + 1 + 3 + 4) / 6
+    assert m["valid_call_rate"] == 3 / 5  # episodes 1, 5, 6 of the five that need tools
+    assert m["invalid_call_rate"] == 1 / 6  # calls: 1 + 2 + 0 + 0 + 2 + 1
+    assert m["recovery_rate"] == 1 / 2
+
+
+def test_no_calls_and_no_faults_are_reported_plainly() -> None:
+    m = metrics_of([episode(False, 1, 0, 0)])
+    assert m["invalid_call_rate"] == 0.0 and m["recovery_rate"] is None and m["valid_call_rate"] == 0.0
+    assert metrics_of([])["success_rate"] is None
+
+
+def test_values_format_for_people() -> None:
+    assert format_value("success_rate", 0.456) == "46%"
+    assert format_value("mean_steps", 2.0) == "2.00"
+    assert format_value("recovery_rate", None) == "-"

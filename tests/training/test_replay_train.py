@@ -1,0 +1,152 @@
+"""replay-train end to end, the gate with real adapters, and the leak check, on a tiny random Llama:
+demonstrations captured into a real store, trained, evaluated through the agent loop, gated, registered."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import orjson
+import pytest
+from rich.console import Console
+
+from gateway.adapters.registry import AdapterRegistry
+from gateway.app import build_app
+from gateway.backends.local_model import load_tokenizer
+from gateway.config import Settings
+from replay.filters import Filters
+from replay.importer import Conversation, import_conversations
+from replay.store import TrajectoryStore
+from tests.models import random_lora
+from tests.standin import ServerThread
+from training import data
+from training.capture import capture
+from training.evaluate import Evaluator
+from training.gate import decide
+from training.general import GeneralCheck
+from training.replay_train import leak_filter, replay_train
+from training.sft import SFTConfig, train_sft
+from training.tasks import get_suite, test_only_markers
+
+pytestmark = pytest.mark.integration
+
+GENERAL = [
+    [{"role": "user", "content": f"Tell me something about the number {i}."},
+     {"role": "assistant", "content": f"The number {i} comes after {i - 1} and before {i + 1}."}]
+    for i in range(1, 25)
+]
+
+
+@pytest.fixture
+def settings(tmp_path: Path, tiny_model_dir: Path) -> Settings:
+    general = tmp_path / "general.jsonl"
+    general.write_text("".join(json.dumps({"messages": m}) + "\n" for m in GENERAL))
+    return Settings.model_validate({
+        "store": {"path": str(tmp_path / "harness.db")},
+        "training": {"model_path": str(tiny_model_dir), "output_dir": str(tmp_path / "runs"), "rank": 4,
+                     "alpha": 8, "epochs": 0.25, "batch_size": 8, "checkpoints": 2, "max_seq_len": 768,
+                     "eval_concurrency": 16, "eval_max_tokens": 4, "general_data": str(general),
+                     "general_share": 0.1, "min_recovered_share": 0.2},
+    })
+
+
+def test_replay_train_selects_trains_validates_gates_and_registers(settings: Settings) -> None:
+    result = asyncio.run(capture(settings, "tools", "train", attempts=0))
+    assert result.demonstrations == 240
+    outcome = asyncio.run(replay_train(settings, Filters(source="demo"), console=Console(quiet=True)))
+    assert outcome.decision is not None and outcome.registered is not None
+    version = outcome.registered
+    assert version.name == "tools" and version.version == 1
+    assert version.status == ("active" if outcome.decision.passed else "candidate")
+    stored = AdapterRegistry(settings.store.path).get("tools", 1).metrics
+    assert stored["gate"]["passed"] == outcome.decision.passed
+    assert set(stored["test"]) >= {"success_rate", "valid_call_rate", "recovery_rate", "general_perplexity"}
+    assert stored["reference"]["model"] == "base"
+    run = outcome.run_dir
+    for name in ("eval.json", "eval.png", "loss.png", "metrics.jsonl"):
+        assert (run / name).stat().st_size > 0, name
+    assert (Path(version.path) / "adapter_config.json").is_file()
+    before, after = orjson.loads((run / "eval.json").read_bytes())
+    assert before["split"] == after["split"] == "test" and len(after["episodes"]) == 40
+
+
+def test_publish_registers_publishes_and_promotes_on_a_running_gateway(settings: Settings, tmp_path: Path,
+                                                                      tiny_model_dir: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    gateway_settings = Settings.model_validate({
+        "store": {"path": str(tmp_path / "gateway.db")},
+        "backends": [{"name": "local", "kind": "local", "model_path": str(tiny_model_dir),
+                      "models": [settings.training.base_model]}],
+        "routing": {"adapters_dir": str(tmp_path / "adapters")},
+    })
+    gateway_settings.server.admin_key = "admin-secret"
+    monkeypatch.setenv("HARNESS_ADMIN_KEY", "admin-secret")
+    settings.training.gate.general_perplexity = 100.0  # a random model moves a lot; this test is about publishing
+    asyncio.run(capture(settings, "tools", "train", attempts=0))
+    with ServerThread(build_app(gateway_settings), lifespan="on") as server:
+        outcome = asyncio.run(replay_train(settings, Filters(source="demo"), publish=server.url,
+                                           console=Console(quiet=True)))
+        assert outcome.decision.passed and outcome.published
+        assert outcome.registered.status == "active" and outcome.registered.uploaded
+        cards = httpx.get(f"{server.url}/admin/adapters", headers={"Authorization": "Bearer admin-secret"}).json()
+        (card,) = cards["data"]
+        assert card["metrics"]["gate"]["passed"] is True and card["status"] == "active"
+        assert cards["loaded"] == {"local": ["tools@1"]}
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        reply = client.chat.completions.create(model=f"{settings.training.base_model}:tools", max_tokens=4,
+                                               messages=[{"role": "user", "content": "hi"}])
+        assert reply.choices[0].message.content is not None
+    assert AdapterRegistry(settings.store.path).all() == []  # registered on the gateway, not twice
+
+
+def test_nothing_from_the_test_split_reaches_the_training_rows(settings: Settings) -> None:
+    suite = get_suite("tools")
+    test_task = suite.tasks("test")[0]
+    tokenizer = load_tokenizer(settings.training.model_path)
+
+    async def fill() -> None:
+        await capture(settings, "tools", "validation", attempts=0)
+        store = TrajectoryStore(settings.store.path)
+        await store.start()
+        leaked = [{"role": "system", "content": suite.system_prompt}, *await suite.solve(test_task)]
+        await import_conversations(store, [Conversation(line=1, messages=leaked,
+                                                        tools=suite.toolbox(test_task).openai_tools())],
+                                   source="demo")
+        await store.close()
+
+    asyncio.run(fill())
+    rows, stats = data.examples_from_store(settings.store.path, Filters(source="demo"), tokenizer,
+                                           max_seq_len=2048, exclude=leak_filter(suite))
+    assert stats.excluded > 0 and rows
+    markers = test_only_markers(suite)
+    for row in rows:
+        text = tokenizer.decode(row.input_ids)
+        assert not any(p in text for p in markers["prompts"])
+        assert not any(t in text for t in markers["tools"])
+
+
+def test_the_gate_refuses_a_degraded_adapter_and_accepts_a_trained_one(settings: Settings, tmp_path: Path,
+                                                                       tiny_model_dir: Path) -> None:
+    training = settings.training
+    general = GeneralCheck(training)
+    tokenizer = load_tokenizer(training.model_path)
+    rows = data.general_examples(tokenizer, general.training_conversations(), training.max_seq_len)
+    trained = train_sft(training.model_path, rows, SFTConfig.from_settings(training, epochs=3.0, checkpoints=1),
+                        tmp_path / "trained").checkpoints[-1]
+    degraded = random_lora(tiny_model_dir, tmp_path / "noise", seed=7, scale=2.0)  # loud noise
+
+    async def reports() -> list[dict]:
+        async with Evaluator(training) as evaluator:
+            return [(await evaluator.evaluate("tools", "test", adapter, general=general.perplexity)).metrics
+                    for adapter in (None, trained, degraded)]
+
+    base, good, bad = asyncio.run(reports())
+    refused = decide(bad, base, training.gate)
+    assert not refused.passed
+    assert "general_perplexity" in [c.metric for c in refused.failures()]
+    accepted = decide(good, base, training.gate)
+    assert accepted.passed, accepted.failures()
+    assert good["general_perplexity"] < base["general_perplexity"] < bad["general_perplexity"]

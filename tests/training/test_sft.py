@@ -1,0 +1,174 @@
+"""LoRA SFT: the loss, the schedule and batches, and whole runs on the tiny model (and, slow, on the real one)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
+
+from gateway.backends.base import ChatRequest
+from gateway.backends.local import LocalBackend
+from gateway.config import BackendSettings, TrainingSettings
+from training.data import IGNORE, Example, general_examples, pad_batch, perplexity
+from training.sft import (
+    SFTConfig,
+    checkpoint_steps,
+    masked_lm_loss,
+    plan_batches,
+    train_sft,
+    warmup_cosine,
+)
+
+
+def conversations(n: int) -> list[list[dict[str, Any]]]:
+    return [[{"role": "user", "content": f"What is {i} plus {i}?"},
+             {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}] for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def examples(smol_tokenizer: PreTrainedTokenizerBase) -> list[Example]:
+    return general_examples(smol_tokenizer, conversations(12), max_seq_len=128)
+
+
+def tiny_config(**overrides: Any) -> SFTConfig:
+    settings = dict(base_model="tiny", rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
+                    learning_rate=5e-3, epochs=3.0, batch_size=4, grad_accum=1, checkpoints=2, seed=0, log_every=2)
+    return SFTConfig(**{**settings, **overrides})
+
+
+def test_masked_lm_loss_matches_the_models_own_loss(tiny_model_dir: Path, examples: list[Example],
+                                                    smol_tokenizer: PreTrainedTokenizerBase) -> None:
+    model = LlamaForCausalLM.from_pretrained(tiny_model_dir)
+    batch = pad_batch(examples[:3], smol_tokenizer.pad_token_id)
+    with torch.no_grad():
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels)
+        assert masked_lm_loss(out.logits, batch.labels).item() == pytest.approx(out.loss.item(), rel=1e-5)
+        # Only label tokens count: changing a prompt token's logits changes nothing.
+        logits = out.logits.clone()
+        first_label = batch.labels[0].tolist().index(next(t for t in batch.labels[0].tolist() if t != IGNORE))
+        logits[0, : first_label - 1] += 5.0
+        assert masked_lm_loss(logits, batch.labels).item() == pytest.approx(out.loss.item(), rel=1e-5)
+
+
+def test_schedule_checkpoints_and_batches() -> None:
+    factor = warmup_cosine(warmup=2, total=10)
+    assert [round(factor(s), 3) for s in (0, 1, 2)] == [0.5, 1.0, 1.0]
+    assert factor(6) == pytest.approx(0.5) and factor(10) == pytest.approx(0.0)
+    assert checkpoint_steps(10, 3) == [3, 7, 10] and checkpoint_steps(2, 5) == [1, 2]
+    rows = [Example(input_ids=[1] * n, labels=[IGNORE] + [1] * (n - 1)) for n in range(2, 42)]
+    plan = plan_batches(rows, batch_size=4, epochs=2.5, seed=0, bucket_batches=5)
+    assert len(plan) == 10 + 10 + 5
+    first_epoch = [id(e) for _, batch in plan[:10] for e in batch]
+    assert sorted(first_epoch) == sorted(map(id, rows))  # every row once per epoch
+    # Length buckets: a batch's rows are close in length, so much less is padding than in random batches.
+    def padding(plan: list[tuple[float, list[Example]]]) -> int:
+        return sum(max(len(e.input_ids) for e in b) * len(b) - sum(len(e.input_ids) for e in b) for _, b in plan)
+
+    assert padding(plan) < 0.3 * padding(plan_batches(rows, batch_size=4, epochs=2.5, seed=0, bucket_batches=1))
+    assert plan_batches(rows, 4, 2.5, 0, 5) == plan and plan_batches(rows, 4, 2.5, 1, 5) != plan
+    assert [round(epoch, 2) for epoch, _ in plan][9:11] == [1.0, 1.1]
+
+
+def test_config_reads_the_training_section() -> None:
+    config = SFTConfig.from_settings(TrainingSettings(rank=8, alpha=16, epochs=1.5), log_every=5)
+    assert (config.rank, config.alpha, config.epochs, config.log_every) == (8, 16.0, 1.5, 5)
+    assert config.base_model == TrainingSettings().base_model and config.max_grad_norm == 1.0
+
+
+def test_sft_lowers_the_loss_and_writes_checkpoints_metrics_and_plot(
+        tiny_model_dir: Path, examples: list[Example], smol_tokenizer: PreTrainedTokenizerBase,
+        tmp_path: Path) -> None:
+    before = perplexity(LlamaForCausalLM.from_pretrained(tiny_model_dir), smol_tokenizer, examples)
+    seen: list[tuple[Path, dict[str, Any]]] = []
+
+    def validate(checkpoint: Path) -> dict[str, Any]:
+        return {"score": len(checkpoint.name)}
+
+    result = train_sft(str(tiny_model_dir), examples, tiny_config(), tmp_path / "run", validate=validate,
+                       on_checkpoint=lambda path, metrics: seen.append((path, metrics)))
+    steps = len(result.losses)
+    assert steps == 9  # 3 batches of 4 for 3 epochs
+    assert sum(result.losses[-3:]) < sum(result.losses[:3])
+    assert result.model is not None
+    assert perplexity(result.model, smol_tokenizer, examples) < before
+    assert result.tokens == 3 * sum(len(e.input_ids) for e in examples)
+    assert result.seconds > 0 and result.tokens_per_second == pytest.approx(result.tokens / result.seconds)
+
+    assert [c.name for c in result.checkpoints] == ["checkpoint-4", "checkpoint-9"]
+    assert [p for p, _ in seen] == result.checkpoints
+    for folder in result.checkpoints:
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= {f.name for f in folder.iterdir()}
+        config = json.loads((folder / "adapter_config.json").read_text())
+        assert config["peft_type"] == "LORA" and config["r"] == 4 and config["base_model_name_or_path"] == "tiny"
+        assert all(".lora_A." in k or ".lora_B." in k for k in load_file(folder / "adapter_model.safetensors"))
+
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert lines == result.metrics
+    assert [line["step"] for line in lines] == [2, 4, 6, 8, 9]
+    assert {"step", "epoch", "loss", "lr", "tokens_per_second"} <= set(lines[0])
+    assert lines[1]["validation"] == {"score": len("checkpoint-4")} and lines[1]["checkpoint"].endswith("checkpoint-4")
+    assert lines[-1]["epoch"] == pytest.approx(3.0)
+    assert (tmp_path / "run" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sft_is_deterministic_with_a_seed(tiny_model_dir: Path, examples: list[Example], tmp_path: Path) -> None:
+    config = tiny_config(epochs=1.0, checkpoints=1, dropout=0.1)
+    one = train_sft(str(tiny_model_dir), examples, config, tmp_path / "one")
+    two = train_sft(str(tiny_model_dir), examples, config, tmp_path / "two")
+    assert one.losses == two.losses
+    a = load_file(one.checkpoints[-1] / "adapter_model.safetensors")
+    b = load_file(two.checkpoints[-1] / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    other = train_sft(str(tiny_model_dir), examples, tiny_config(epochs=1.0, checkpoints=1, dropout=0.1, seed=1),
+                      tmp_path / "three")
+    assert other.losses != one.losses
+
+
+def test_grad_accumulation_weighs_by_label_tokens(tiny_model_dir: Path, examples: list[Example],
+                                                  tmp_path: Path) -> None:
+    # One step of 4 rows in one batch, and the same 4 rows as 2 accumulated batches of 2: the same update.
+    rows = examples[:4]
+    whole = train_sft(str(tiny_model_dir), rows, tiny_config(epochs=1.0, batch_size=4, checkpoints=1,
+                                                             bucket_batches=1), tmp_path / "whole")
+    split = train_sft(str(tiny_model_dir), rows, tiny_config(epochs=1.0, batch_size=2, grad_accum=2, checkpoints=1,
+                                                             bucket_batches=2), tmp_path / "split")
+    assert len(whole.losses) == len(split.losses) == 1
+    assert split.losses[0] == pytest.approx(whole.losses[0], rel=1e-4)
+    a = load_file(whole.checkpoints[-1] / "adapter_model.safetensors")
+    b = load_file(split.checkpoints[-1] / "adapter_model.safetensors")
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
+async def test_checkpoints_load_in_the_local_backend(tiny_model_dir: Path, examples: list[Example],
+                                                     tmp_path: Path) -> None:
+    result = train_sft(str(tiny_model_dir), examples, tiny_config(epochs=1.0, checkpoints=1, learning_rate=0.05),
+                       tmp_path / "run")
+    backend = LocalBackend(BackendSettings(name="local", kind="local", model_path=str(tiny_model_dir),
+                                           batch_wait_ms=1))
+    await backend.start()
+    try:
+        await backend.load_adapter("sft@1", str(result.checkpoints[-1]))
+        body = {"messages": [{"role": "user", "content": "What is 3 plus 3?"}], "temperature": 0, "max_tokens": 6}
+        base = await backend.chat(ChatRequest(body=body, model="tiny"))
+        tuned = await backend.chat(ChatRequest(body=body, model="tiny", adapter="sft@1"))
+    finally:
+        await backend.aclose()
+    assert tuned.extras.completion_token_ids != base.extras.completion_token_ids
+
+
+@pytest.mark.slow
+def test_a_few_steps_on_the_embedded_model_lower_the_loss(smol_tokenizer: PreTrainedTokenizerBase,
+                                                          tmp_path: Path) -> None:
+    rows = general_examples(smol_tokenizer, [
+        [{"role": "user", "content": f"Code word for day {i}?"},
+         {"role": "assistant", "content": f"PELICAN-{i}."}] for i in range(4)], 128)
+    config = SFTConfig(rank=8, alpha=16.0, learning_rate=2e-3, epochs=2.0, batch_size=2, checkpoints=1, seed=0)
+    result = train_sft(None, rows, config, tmp_path / "run")  # None: the embedded model, from its cache
+    assert len(result.losses) == 4
+    assert result.losses[-1] < 0.5 * result.losses[0]
+    assert (result.checkpoints[-1] / "adapter_model.safetensors").is_file()

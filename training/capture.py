@@ -1,0 +1,86 @@
+"""Capturing a suite's split into the trajectory store: the solver's demonstrations (source ``demo``) and the
+model's own attempts through the agent loop (source ``agent``), each with the verifier's verdict.
+
+Both are stored exactly as the gateway stores traffic: demonstrations through the replay importer (a model
+call per assistant turn), attempts through the agent loop's own recorder. Every trajectory gets its task id
+and a ``verifier`` feedback row ``task_success`` (1 or 0), which the reward engine reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import orjson
+
+from gateway.agent.loop import Profile, RunState
+from gateway.agent.recording import StoreRecorder
+from gateway.config import Settings
+from replay.importer import Conversation, ImportResult, build_op
+from replay.store import TrajectoryStore, WriteOp
+from training.evaluate import Evaluator
+from training.metrics import metrics_of
+from training.tasks import Task, get_suite
+
+
+@dataclass
+class CaptureResult:
+    demonstrations: int = 0
+    attempts: int = 0
+    attempts_succeeded: int = 0
+    metrics: dict[str, float | None] = field(default_factory=dict)
+
+
+async def capture(settings: Settings, suite_name: str, split: str, *, demos: bool = True, attempts: int = 1,
+                  sample: int | None = None, temperature: float = 0.7) -> CaptureResult:
+    """Demonstrations of every task of ``split``; ``attempts`` model attempts at each task (or at ``sample`` tasks
+    spread evenly over the split, so every family is attempted)."""
+    suite = get_suite(suite_name)
+    tasks = suite.tasks(split)
+    result = CaptureResult()
+    store = TrajectoryStore(settings.store.path, synchronous=settings.store.synchronous)
+    await store.start()
+    try:
+        if demos:
+            conversations = []
+            for i, task in enumerate(tasks):
+                messages = [{"role": "system", "content": suite.system_prompt}, *await suite.solve(task)]
+                conversations.append(Conversation(
+                    line=i + 1, messages=messages, tools=suite.toolbox(task).openai_tools(), task_id=task.id,
+                    model=settings.training.base_model,
+                    metadata={"suite": suite.name, "split": split, "family": task.family}))
+            imported = ImportResult()
+            op = build_op(conversations, source="demo", result=imported)
+            op.statements += [store.feedback_statement(tid, source="verifier", name="task_success", value=1.0)
+                              for tid in imported.ids]
+            await store.write(op)
+            result.demonstrations = len(conversations)
+        if attempts:
+            backend_name = f"local:{settings.training.base_model}"
+
+            async def recorder_for(task: Task, profile: Profile, state: RunState) -> StoreRecorder:
+                recorder = StoreRecorder(store, profile=profile, backend=backend_name, source="agent")
+                await recorder.start(state)
+                return recorder
+
+            attempted = tasks if not sample or sample >= len(tasks) else \
+                [tasks[i * len(tasks) // sample] for i in range(sample)]
+            async with Evaluator(settings.training) as evaluator:
+                episodes = []
+                for _ in range(attempts):
+                    episodes += await evaluator.episodes(suite, attempted, recorder_for=recorder_for,
+                                                         temperature=temperature, progress=f"attempts on {split}")
+            by_id = {t.id: t for t in tasks}
+            statements = []
+            for episode in episodes:
+                metadata = {"suite": suite.name, "split": split, "family": by_id[episode.task_id].family}
+                statements.append(("UPDATE trajectories SET task_id = ?, metadata = ? WHERE id = ?",
+                                   (episode.task_id, orjson.dumps(metadata).decode(), episode.run_id)))
+                statements.append(store.feedback_statement(episode.run_id, source="verifier", name="task_success",
+                                                           value=1.0 if episode.success else 0.0))
+            await store.write(WriteOp(statements=statements))
+            result.attempts = len(episodes)
+            result.attempts_succeeded = sum(e.success for e in episodes)
+            result.metrics = metrics_of(episodes)
+    finally:
+        await store.close()
+    return result

@@ -1,0 +1,179 @@
+"""``harness eval``, ``harness tasks`` and ``harness replay-train``.
+
+Heavy modules (torch, transformers, the suites) are imported inside the commands, so ``harness --help`` and
+every other command start fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import orjson
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from gateway.adapters.registry import AdapterRegistry, RegistryError, parse_ref
+from gateway.cli_support import ConfigOption, fail, settings_or_exit
+from gateway.config import Settings
+from gateway.logging import configure_logging
+from replay.cli import with_filters
+from replay.filters import Filters
+
+if TYPE_CHECKING:
+    from training.evaluate import Report
+
+SPLITS = ("train", "validation", "test")
+
+console = Console()
+tasks_app = typer.Typer(help="Task suites: list them, capture demonstrations and attempts into the store.",
+                        no_args_is_help=True)
+
+SuiteOption = typer.Option(None, "--suite", help="Task suite (default: [training] suite).")
+OutOption = typer.Option(None, "--out", help="Folder for eval.json and eval.png (default: under [training] "
+                         "output_dir).")
+
+
+def _suite(settings: Settings, suite: str | None) -> str:
+    from training.tasks import SUITES
+
+    name = suite or settings.training.suite
+    if name not in SUITES:
+        fail(f"no suite {name!r}; known: {', '.join(sorted(SUITES))}", 2)
+    return name
+
+
+def _split(split: str) -> str:
+    if split not in SPLITS:
+        fail(f"--split must be one of {', '.join(SPLITS)}, not {split!r}", 2)
+    return split
+
+
+def adapter_folder(settings: Settings, model: str) -> str | None:
+    """``base``, an adapter folder, or a registered ``name[@version]`` (default: its active version)."""
+    if model == "base":
+        return None
+    if Path(model).is_dir():
+        if not (Path(model) / "adapter_config.json").is_file():
+            fail(f"{model} is not an adapter folder: it has no adapter_config.json", 2)
+        return str(Path(model).resolve())
+    registry = AdapterRegistry(settings.store.path)
+    try:
+        name, version = parse_ref(model)
+        if version is None:
+            active = [v for v in registry.all() if v.name == name and v.status == "active"]
+            if not active:
+                fail(f"adapter {name!r} has no active version; name one as {name}@N", 2)
+            return active[0].path
+        return registry.get(name, version).path
+    except RegistryError as exc:
+        fail(f"{model!r} is neither 'base', an adapter folder, nor a registered adapter: {exc.message}", 2)
+
+
+def print_reports(reports: list[Report], title: str) -> None:
+    from training.metrics import METRICS, format_value
+
+    table = Table(title=title)
+    table.add_column("metric")
+    for report in reports:
+        table.add_column(report.model, justify="right")
+    for metric in METRICS:
+        table.add_row(metric, *(format_value(metric, r.metrics.get(metric)) for r in reports))
+    table.add_row("episodes", *(str(len(r.episodes)) for r in reports))
+    table.add_row("seconds", *(f"{r.seconds:.0f}" for r in reports))
+    console.print(table)
+
+
+ModelArgument = typer.Argument(..., help="'base', an adapter folder, or a registered NAME[@V].")
+
+
+def eval_command(model: str = ModelArgument,
+                 suite: str | None = SuiteOption,
+                 split: str = typer.Option("validation", "--split", help="validation or test."),
+                 out: Path | None = OutOption, config: str | None = ConfigOption,
+                 as_json: bool = typer.Option(False, "--json", help="Print the report as JSON.")) -> None:
+    """Run a suite's split through the agent loop on the embedded model (with an adapter, or the base)."""
+    settings = settings_or_exit(config)
+    configure_logging("console", "warning")
+    suite_name, split = _suite(settings, suite), _split(split)
+    adapter = adapter_folder(settings, model)
+    from training.evaluate import Evaluator, write_reports
+    from training.general import GeneralCheck
+
+    async def run() -> Report:
+        check = GeneralCheck(settings.training)
+        async with Evaluator(settings.training) as evaluator:
+            return await evaluator.evaluate(suite_name, split, adapter, general=check.perplexity, label=model)
+
+    report = asyncio.run(run())
+    folder = out or Path(settings.training.output_dir) / "eval" / f"{suite_name}-{split}-{Path(model).name}"
+    json_path, png_path = write_reports([report], folder, title=f"{suite_name} / {split}")
+    if as_json:
+        typer.echo(orjson.dumps(report.metrics).decode())
+    else:
+        print_reports([report], f"{suite_name} / {split}")
+        console.print(f"wrote {json_path} and {png_path}")
+
+
+@tasks_app.command("list")
+def tasks_list(suite: str | None = SuiteOption, split: str = typer.Option("train", "--split"),
+               config: str | None = ConfigOption) -> None:
+    """The tasks of a split, one line each."""
+    from training.tasks import get_suite
+
+    settings = settings_or_exit(config)
+    for task in get_suite(_suite(settings, suite)).tasks(_split(split)):
+        typer.echo(f"{task.id}\t{task.family}\t{task.prompt}")
+
+
+@tasks_app.command("capture")
+def tasks_capture(suite: str | None = SuiteOption, split: str = typer.Option("train", "--split"),
+                  demos: bool = typer.Option(True, "--demos/--no-demos", help="Store the solver's demonstrations."),
+                  attempts: int = typer.Option(1, "--attempts", min=0, help="Model attempts per task."),
+                  sample: int | None = typer.Option(None, "--sample", min=1, help="Attempt only this many tasks, "
+                                                    "evenly spread over the split (demonstrations cover all)."),
+                  temperature: float = typer.Option(0.7, "--temperature", min=0.0, max=2.0),
+                  config: str | None = ConfigOption) -> None:
+    """Capture a split into the store: demonstrations (source demo) and the model's attempts (source agent),
+    each with the verifier's verdict. The test split is refused: nothing from it may reach training."""
+    from training.capture import capture
+
+    settings = settings_or_exit(config)
+    configure_logging("console", "warning")
+    if _split(split) == "test":
+        fail("the test split is for reporting and the gate only; capture train or validation", 2)
+    result = asyncio.run(capture(settings, _suite(settings, suite), split, demos=demos, attempts=attempts,
+                                 sample=sample, temperature=temperature))
+    console.print(f"captured {result.demonstrations} demonstrations and {result.attempts} attempts "
+                  f"({result.attempts_succeeded} succeeded) into {settings.store.path}")
+
+
+@with_filters
+def replay_train_command(filters: Filters,
+                         mode: str = typer.Option("sft", "--mode", help="sft (rl and sft+rl come later)."),
+                         name: str | None = typer.Option(None, "--name", help="Adapter name (default: the suite's)."),
+                         publish: str | None = typer.Option(None, "--publish", help="A running gateway's URL: upload, "
+                                                            "publish and promote the adapter there if it passes."),
+                         config: str | None = ConfigOption) -> None:
+    """Select, reward, build, train, pick a checkpoint on validation, gate on test, register, publish.
+    Exits 0 when the candidate passed the gate, 1 when it was refused (it is still registered, as a candidate)."""
+    from training.replay_train import ReplayTrainError, replay_train
+
+    settings = settings_or_exit(config)
+    configure_logging("console", "warning")
+    if mode != "sft":
+        fail(f"--mode {mode!r} is not available; use sft", 2)
+    try:
+        outcome = asyncio.run(replay_train(settings, filters, name=name, publish=publish, console=console))
+    except ReplayTrainError as exc:
+        fail(str(exc))
+    raise typer.Exit(0 if outcome.decision and outcome.decision.passed else 1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("eval")(eval_command)
+    app.command("replay-train")(replay_train_command)
+    app.add_typer(tasks_app, name="tasks")
+

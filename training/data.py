@@ -1,0 +1,553 @@
+"""Training rows for replay-train: captured model calls and general chat → token ids with a loss mask.
+
+The algorithm, top to bottom:
+
+1. A row is one successful model call of a selected trajectory: the prompt the model saw and the
+   completion it wrote (``examples_from_store``, through ``replay.export.iter_rows`` with one call per row).
+2. The prompt is exactly what the local backend generates from, ``gateway.prompting.encode_prompt`` of the
+   call's messages and tools (with the generation prompt). When the store holds the ids the model actually
+   saw and they are what this tokenizer makes of the messages (a fresh encoding, up to the JSON key order the
+   store does not keep), those ids are used with the completion ids the model actually wrote; otherwise
+   (another tokenizer, a redacted row, no capture) both are re-rendered from the text.
+3. Labels are -100 on every prompt token (system, user, tool results, earlier assistant turns), so the loss
+   is on the completion only; the completion ends with the end-of-turn token so the model learns to stop.
+4. A row longer than ``max_seq_len`` loses tokens from the left of its prompt; the completion is never cut,
+   and a row whose completion alone does not fit is dropped (and counted).
+5. ``mix`` repeats rows from trajectories that recovered after a failed tool call up to a minimum share, and
+   adds general chat rows (the base model's own answers to everyday prompts) against forgetting.
+
+Simplifications: one row per call, not per window (the earlier replies of a trajectory are in the later
+calls' prompts, masked, and each reply is trained on in its own row); a completion the model stopped with a
+user-given stop string keeps that string's tokens (agents do not use them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+import torch.nn.functional as F
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from gateway.prompting import Message, encode_prompt, hermes_tool_call_text, message_text, render_prompt
+from replay.export import ExportOptions, Row, iter_rows
+from replay.filters import Filters
+from replay.readonly import open_readonly
+from replay.redact import Redactor
+
+log = structlog.get_logger()
+
+IGNORE = -100  # the label of a token the loss skips (PyTorch's cross_entropy default)
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>")  # the chat formats' end markers, preferred first
+GENERAL_PROMPTS = Path(__file__).with_name("general_prompts.jsonl")
+_GENERAL_FORMAT = 1  # bump when the cached general answers change shape
+
+
+@dataclass
+class Example:
+    """One training row: ``input_ids`` and ``labels`` (-100 on prompt tokens), equally long, and its origin."""
+
+    input_ids: list[int]
+    labels: list[int]
+    trajectory_id: str | None = None
+    seq: int | None = None  # the model call's seq within its trajectory
+    kind: str = "task"  # task | general
+    recovered: bool = False  # from a trajectory that recovered after a failed tool call
+
+
+class TooLong(ValueError):
+    """The completion alone does not fit in ``max_seq_len`` (with at least one prompt token before it)."""
+
+
+# -- rendering ---------------------------------------------------------------------------------------
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Ids that end an assistant turn: EOS and the chat formats' end markers (as the local backend stops on)."""
+    vocab = tokenizer.get_vocab()
+    ids = {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    vocab = tokenizer.get_vocab()
+    for token in END_OF_TURN_TOKENS:
+        if token in vocab:
+            return vocab[token]
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no end-of-turn token")
+    return tokenizer.eos_token_id
+
+
+def completion_text(tokenizer: PreTrainedTokenizerBase, messages: list[Message], tools: list[dict[str, Any]] | None,
+                    completion: Message) -> str:
+    """``completion`` as the chat template writes it in a finished conversation, up to its end-of-turn marker.
+
+    Taken from the template itself (the finished conversation minus the prompt), so tool calls come out in the
+    same Hermes ``<tool_call>`` form ``gateway.prompting`` renders earlier assistant turns in.
+    """
+    end = tokenizer.convert_ids_to_tokens(end_of_turn_id(tokenizer))
+    prompt = render_prompt(tokenizer, messages, tools)
+    full = render_prompt(tokenizer, [*messages, completion], tools, add_generation_prompt=False)
+    if not full.startswith(prompt):
+        # A template that rewrites earlier turns once the conversation goes on (none of ours does): the
+        # reply in the Hermes form gateway.prompting gives assistant turns, then the end marker.
+        calls = [hermes_tool_call_text(c["function"]["name"], c["function"].get("arguments"))
+                 for c in completion.get("tool_calls") or []]
+        text = message_text(completion.get("content"))
+        return "\n".join([text, *calls] if text else calls) + end
+    text = full[len(prompt):]
+    # The template follows the end marker with a newline the model never generates (it stops at the marker).
+    cut = text.rfind(end)
+    return text[:cut + len(end)] if cut >= 0 else text + end
+
+
+def render_example(tokenizer: PreTrainedTokenizerBase, messages: list[Message], tools: list[dict[str, Any]] | None,
+                   completion: Message | None = None, completion_ids: list[int] | None = None,
+                   prompt_ids: list[int] | None = None, *, finished: bool = True,
+                   max_seq_len: int | None = None, **provenance: Any) -> Example:
+    """One training row: the prompt ``messages`` (+ ``tools``) and the assistant's ``completion``.
+
+    The prompt is ``prompt_ids`` when given (the ids a model was served), else ``encode_prompt`` of the messages.
+    The completion is ``completion_ids`` when given (the ids it generated) — with the end-of-turn token added when
+    the generation ``finished`` but the ids lack a stop token — else ``completion`` rendered by the chat template
+    and ending with the end-of-turn token (none when not ``finished``: a reply cut off by the length limit must
+    not teach the model to stop there). ``max_seq_len`` cuts the prompt from the left; raises ``TooLong`` when the
+    completion alone does not fit. ``provenance`` fills the ``Example``'s other fields.
+    """
+    prompt = list(prompt_ids) if prompt_ids is not None else encode_prompt(tokenizer, messages, tools)
+    if completion_ids is not None:
+        reply = list(completion_ids)
+        if finished and (not reply or reply[-1] not in stop_token_ids(tokenizer)):
+            reply.append(end_of_turn_id(tokenizer))
+    elif completion is not None:
+        text = completion_text(tokenizer, messages, tools, completion)
+        if not finished:
+            text = _strip_end(text)
+        reply = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        raise ValueError("render_example needs completion or completion_ids")
+    if max_seq_len is not None:
+        room = max_seq_len - len(reply)
+        if room < 1:  # the first completion token needs at least one token before it to be predicted from
+            raise TooLong(f"the completion has {len(reply)} tokens; max_seq_len is {max_seq_len}")
+        prompt = prompt[-room:]
+    return Example(input_ids=prompt + reply, labels=[IGNORE] * len(prompt) + reply, **provenance)
+
+
+def _strip_end(text: str) -> str:
+    return next((text[:-len(t)] for t in END_OF_TURN_TOKENS if text.endswith(t)), text)
+
+
+# -- rows from the store -----------------------------------------------------------------------------
+
+
+def is_failed_tool_result(message: Message) -> bool:
+    """A tool result that reports a failure as ``tools.executor`` writes them ("Tool X failed: …", "Tool X timed
+    out after …"), or an empty one."""
+    if message.get("role") != "tool":
+        return False
+    text = message_text(message.get("content")).strip()
+    return not text or (text.startswith("Tool ") and ("failed" in text or "timed out" in text))
+
+
+def is_recovered(messages: list[Message], status: str | None = None) -> bool:
+    """Whether a conversation recovered: a tool result failed (``is_failed_tool_result``) and, later, the
+    conversation ends in a final answer (its last message is the assistant's, with text and no tool calls) in a
+    trajectory that completed (``status`` "completed", when given; a run stopped by a limit did not succeed).
+
+    These are the rows a model learns recovery from, so ``mix`` keeps them at a minimum share. A trajectory is
+    judged on its last call's context: the whole conversation, unless an agent's summary replaced its start.
+    """
+    if status is not None and status != "completed":
+        return False
+    failed = next((i for i, m in enumerate(messages) if is_failed_tool_result(m)), None)
+    if failed is None or not messages:
+        return False
+    last = messages[-1]
+    return (len(messages) - 1 > failed and last.get("role") == "assistant" and not last.get("tool_calls")
+            and bool(message_text(last.get("content")).strip()))
+
+
+def row_text(messages: list[Message]) -> str:
+    """All the text of a row (contents and tool-call arguments, one per line), for ``exclude``."""
+    parts = []
+    for message in messages:
+        parts.append(message_text(message.get("content")))
+        for call in message.get("tool_calls") or []:
+            function = call.get("function") or {}
+            parts.append(f"{function.get('name', '')} {function.get('arguments', '')}")
+    return "\n".join(parts)
+
+
+@dataclass
+class DataStats:
+    """What ``examples_from_store`` read and what became of it."""
+
+    trajectories: int = 0  # selected trajectories with at least one successful call
+    calls: int = 0  # successful model calls read (one row each)
+    rows: int = 0  # examples made
+    recovered: int = 0  # examples from recovered trajectories
+    captured: int = 0  # examples built from the exact token ids the model saw and wrote
+    rendered: int = 0  # examples re-rendered from the messages
+    mismatched: int = 0  # of the rendered: had captured prompt ids this tokenizer would not make (another model)
+    too_long: int = 0  # dropped: the completion alone does not fit in max_seq_len
+    excluded: int = 0  # dropped by ``exclude``
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def examples_from_store(store_path: str | os.PathLike[str], filters: Filters, tokenizer: PreTrainedTokenizerBase, *,
+                        max_seq_len: int, exclude: Callable[[str], bool] | None = None
+                        ) -> tuple[list[Example], DataStats]:
+    """One example per successful model call of each trajectory ``filters`` select (the store opened read-only).
+
+    Captured ids are used only where the recorded prompt ids are what this tokenizer makes of the call's messages
+    and tools (``_served_prompt``: a fresh ``encode_prompt``, up to the key order the store loses); so a trajectory
+    recorded from another model is re-rendered, never trained on foreign ids. ``exclude(text)`` drops rows
+    whose text (``row_text``) it flags, e.g. rows that hold test-split material.
+    """
+    stats = DataStats()
+    examples: list[Example] = []
+    # Nothing is redacted: the rows never leave this process, and redaction would drop their exact ids.
+    options, redactor = ExportOptions(window=1), Redactor(defaults=False)
+    with open_readonly(store_path) as conn:
+        for rows in _by_trajectory(iter_rows(conn, filters, options, redactor)):
+            stats.trajectories += 1
+            last = rows[-1]
+            recovered = is_recovered(json.loads(last.messages), last.trajectory["status"])
+            for row in rows:
+                stats.calls += 1
+                example = _row_example(row, tokenizer, max_seq_len, recovered, exclude, stats)
+                if example is not None:
+                    examples.append(example)
+    stats.rows = len(examples)
+    stats.recovered = sum(e.recovered for e in examples)
+    log.info("training.data.examples", store=str(store_path), **stats.as_dict())
+    return examples, stats
+
+
+def _by_trajectory(rows: Iterable[Row]) -> Iterator[list[Row]]:
+    """Consecutive rows of one trajectory, together (``iter_rows`` yields them in trajectory order)."""
+    batch: list[Row] = []
+    for row in rows:
+        if batch and row.trajectory["trajectory_id"] != batch[0].trajectory["trajectory_id"]:
+            yield batch
+            batch = []
+        batch.append(row)
+    if batch:
+        yield batch
+
+
+def _row_example(row: Row, tokenizer: PreTrainedTokenizerBase, max_seq_len: int, recovered: bool,
+                 exclude: Callable[[str], bool] | None, stats: DataStats) -> Example | None:
+    messages = json.loads(row.messages)
+    if exclude is not None and exclude(row_text(messages)):
+        stats.excluded += 1
+        return None
+    request, reply = messages[:-1], messages[-1]
+    tools = json.loads(row.tools) if row.tools else None
+    captured_prompt = json.loads(row.prompt_token_ids) if row.prompt_token_ids else None
+    captured_completion = json.loads(row.completion_token_ids) if row.completion_token_ids else None
+    served = captured_prompt is not None and _served_prompt(tokenizer, request, tools, captured_prompt)
+    exact = served and captured_completion is not None
+    try:
+        example = render_example(
+            tokenizer, request, tools, completion=reply, completion_ids=captured_completion if exact else None,
+            prompt_ids=captured_prompt if exact else None, finished=row.call["finish_reason"] != "length",
+            max_seq_len=max_seq_len, trajectory_id=row.trajectory["trajectory_id"], seq=row.call["seq"],
+            kind="task", recovered=recovered)
+    except TooLong:
+        stats.too_long += 1
+        return None
+    if exact:
+        stats.captured += 1
+    else:
+        stats.rendered += 1
+        stats.mismatched += captured_prompt is not None and not served
+    return example
+
+
+def _served_prompt(tokenizer: PreTrainedTokenizerBase, request: list[Message], tools: list[dict[str, Any]] | None,
+                   captured: list[int]) -> bool:
+    """Whether ``captured`` is what this tokenizer made of the request when it was served.
+
+    Equal to a fresh encoding, or failing that, decoding to the same text up to the order of keys in one-line JSON
+    objects: the store keeps JSON bodies with sorted keys (``replay.hashing.exact_json``), so tool specs read back
+    from it list their keys in another order than the client sent and the prompt showed. The captured ids are
+    then the truer record of the prompt. Ids from another tokenizer decode to other text and fail both tests.
+    A call with ``tool_choice: "none"`` was served without its tools, so that rendering is tried too.
+    """
+    if encode_prompt(tokenizer, request, tools) == captured:
+        return True
+    text = _canonical_json_lines(tokenizer.decode(captured, skip_special_tokens=False,
+                                                  clean_up_tokenization_spaces=False))
+    candidates = [tools, None] if tools else [None]
+    return any(text == _canonical_json_lines(render_prompt(tokenizer, request, t)) for t in candidates)
+
+
+def _canonical_json_lines(text: str) -> str:
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        if line.startswith("{") and line.endswith("}"):
+            try:
+                lines[i] = json.dumps(json.loads(line), sort_keys=True, ensure_ascii=False)
+            except ValueError:
+                pass
+    return "\n".join(lines)
+
+
+# -- mixing ------------------------------------------------------------------------------------------
+
+
+def mix(task: list[Example], general: list[Example], *, min_recovered_share: float, general_share: float,
+        seed: int) -> list[Example]:
+    """The training set: task rows with recovered rows repeated (sampled with a seeded RNG) until they are at
+    least ``min_recovered_share`` of the task rows (when any exist), plus general rows making ``general_share``
+    of the total (sampled with repetition when there are too few), shuffled deterministically."""
+    rng = random.Random(seed)
+    rows = list(task)
+    recovered = [e for e in task if e.recovered]
+    if recovered and min_recovered_share > 0:
+        if min_recovered_share >= 1:
+            rows = list(recovered)  # only recovered rows can make up the whole set
+        else:
+            # Adding k copies: (r + k) / (n + k) >= m  <=>  k >= (m n - r) / (1 - m).
+            k = math.ceil((min_recovered_share * len(rows) - len(recovered)) / (1 - min_recovered_share) - 1e-9)
+            rows += rng.choices(recovered, k=max(0, k))
+    if general and general_share > 0 and rows:
+        # g / (t + g) = s  <=>  g = s t / (1 - s).
+        want = round(general_share * len(rows) / (1 - general_share))
+        if want <= len(general):
+            rows += rng.sample(general, want)
+        else:
+            rows += list(general) + rng.choices(general, k=want - len(general))
+    elif general_share > 0 and not general:
+        log.warning("training.data.no_general_rows", general_share=general_share)
+    rng.shuffle(rows)
+    return rows
+
+
+# -- general data ------------------------------------------------------------------------------------
+
+
+def load_prompts(path: str | os.PathLike[str] = GENERAL_PROMPTS) -> list[str]:
+    """The ``prompt`` of each line of a JSONL file."""
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line)["prompt"] for line in fh if line.strip()]
+
+
+def load_conversations(path: str | os.PathLike[str]) -> list[list[Message]]:
+    """A JSONL file of ``{"messages": [...]}`` lines (``[training] general_data``); each must end with the
+    assistant's message, the one trained on."""
+    conversations = []
+    with open(path, encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            messages = json.loads(line).get("messages")
+            if not isinstance(messages, list) or not messages or messages[-1].get("role") != "assistant":
+                raise ValueError(f"{path}:{number}: expected {{\"messages\": [...]}} ending with an assistant message")
+            conversations.append(messages)
+    return conversations
+
+
+def default_general_cache() -> Path:
+    return Path.home() / ".cache" / "agent-harness" / "general"
+
+
+def general_conversations(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
+                          cache_dir: str | os.PathLike[str] | None = None, max_new_tokens: int = 96,
+                          prompts_path: str | os.PathLike[str] = GENERAL_PROMPTS,
+                          batch_size: int = 16) -> list[list[Message]]:
+    """The base model's own greedy answers to the shipped everyday prompts, as ``[user, assistant]`` conversations.
+
+    Training on its own answers anchors the model's general behaviour (self-distillation) without any outside data.
+    Generated once per model and prompts file (plain ``generate`` in batches, adapters off) and cached as JSONL under
+    ``cache_dir`` (default ``~/.cache/agent-harness/general/``), keyed by a hash of the weights, config and prompts.
+    An answer cut off at ``max_new_tokens`` carries ``"finish_reason": "length"`` so no end-of-turn is trained on it.
+    """
+    prompts = load_prompts(prompts_path)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    key = _general_key(base, tokenizer, Path(prompts_path), max_new_tokens)
+    cache = Path(cache_dir).expanduser() if cache_dir else default_general_cache()
+    path = cache / f"{key}.jsonl"
+    if path.is_file():
+        return load_conversations(path)
+    conversations = []
+    adapters_off = model.disable_adapter() if hasattr(model, "disable_adapter") else nullcontext()
+    with adapters_off:
+        for start in range(0, len(prompts), batch_size):
+            chunk = prompts[start:start + batch_size]
+            for prompt, (text, finished) in zip(chunk, _greedy(model, tokenizer, chunk, max_new_tokens), strict=True):
+                answer: Message = {"role": "assistant", "content": text}
+                if not finished:
+                    answer["finish_reason"] = "length"
+                conversations.append([{"role": "user", "content": prompt}, answer])
+    _write_jsonl(path, [{"messages": c} for c in conversations])
+    log.info("training.data.general_generated", prompts=len(prompts), cache=str(path),
+             unfinished=sum("finish_reason" in c[-1] for c in conversations))
+    return conversations
+
+
+@torch.no_grad()
+def _greedy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str],
+            max_new_tokens: int) -> list[tuple[str, bool]]:
+    """(answer text, whether it ended with a stop token) for each prompt, as the local backend would answer it."""
+    encoded = [encode_prompt(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+    width = max(map(len, encoded))
+    pad = _pad_id(tokenizer)
+    device = next(model.parameters()).device
+    # Left padding, so every row's next token follows its own last prompt token.
+    ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded], device=device)
+    mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded], device=device)
+    stops = stop_token_ids(tokenizer)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(stops),
+                              pad_token_id=pad, bos_token_id=model.generation_config.bos_token_id)
+    was_training = model.training
+    model.eval()
+    try:
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    finally:
+        model.train(was_training)
+    answers = []
+    for row in out[:, width:].tolist():
+        cut = next((i for i, t in enumerate(row) if t in stops), None)
+        text = tokenizer.decode(row[:cut], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        answers.append((text, cut is not None))
+    return answers
+
+
+def _general_key(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts_path: Path,
+                 max_new_tokens: int) -> str:
+    digest = hashlib.sha256()
+    digest.update(f"v{_GENERAL_FORMAT} {max_new_tokens}\n".encode())
+    digest.update(model.config.to_json_string(use_diff=False).encode())
+    digest.update((tokenizer.chat_template or "").encode())
+    digest.update(prompts_path.read_bytes())
+    weights = Path(str(getattr(model.config, "_name_or_path", "") or "")) / "model.safetensors"
+    if weights.is_file():
+        # Size and both ends of the file: cheap, and any re-conversion of the weights changes them.
+        size = weights.stat().st_size
+        with weights.open("rb") as fh:
+            digest.update(f"{size}".encode() + fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            digest.update(fh.read())
+    else:  # weights not from a file: hash them
+        for name, tensor in sorted(model.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:24]
+
+
+def _write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
+    """Write whole or not at all: a half-written cache would be trusted by the next run."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            for record in records:
+                fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def split_general(conversations: list[list[Message]], held_out: float = 0.25,
+                  seed: int = 0) -> tuple[list[list[Message]], list[list[Message]]]:
+    """(train, held out): a fixed share of the conversations kept apart for the general-ability check."""
+    order = list(range(len(conversations)))
+    random.Random(seed).shuffle(order)
+    cut = round(len(order) * held_out)
+    held = sorted(order[:cut])
+    train = sorted(order[cut:])
+    return [conversations[i] for i in train], [conversations[i] for i in held]
+
+
+def general_examples(tokenizer: PreTrainedTokenizerBase, conversations: list[list[Message]],
+                     max_seq_len: int) -> list[Example]:
+    """One example per conversation, the loss on its final assistant message; ones that do not fit are skipped."""
+    examples = []
+    for messages in conversations:
+        reply = messages[-1]
+        try:
+            examples.append(render_example(
+                tokenizer, messages[:-1], None, completion=reply, finished=reply.get("finish_reason") != "length",
+                max_seq_len=max_seq_len, kind="general"))
+        except TooLong:
+            continue
+    return examples
+
+
+# -- batches and perplexity --------------------------------------------------------------------------
+
+
+def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_of_turn_id(tokenizer)
+
+
+@dataclass
+class Batch:
+    """Right-padded tensors of a list of examples; padding has attention 0 and label -100."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+    tokens: int = field(default=0)  # real (unpadded) tokens
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.labels.to(device), self.tokens)
+
+
+def pad_batch(examples: list[Example], pad_id: int) -> Batch:
+    width = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids[i, :n] = torch.tensor(e.input_ids)
+        labels[i, :n] = torch.tensor(e.labels)
+        mask[i, :n] = 1
+    return Batch(ids, mask, labels, tokens=sum(len(e.input_ids) for e in examples))
+
+
+@torch.no_grad()
+def perplexity(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: list[Example], *,
+               batch_size: int = 8) -> float:
+    """exp of the mean negative log-likelihood of the label tokens, with whatever adapters are active."""
+    if not examples:
+        raise ValueError("perplexity of no examples")
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    nll, count = 0.0, 0
+    # Similar lengths together: less padding computed for nothing.
+    ordered = sorted(examples, key=lambda e: len(e.input_ids))
+    try:
+        for start in range(0, len(ordered), batch_size):
+            batch = pad_batch(ordered[start:start + batch_size], _pad_id(tokenizer)).to(device)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+            labels = F.pad(batch.labels, (0, 1), value=IGNORE)[:, 1:]
+            nll += F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
+                                   reduction="sum").item()
+            count += int((labels != IGNORE).sum())
+    finally:
+        model.train(was_training)
+    return math.exp(nll / count)

@@ -1,0 +1,178 @@
+"""Evaluation: a task suite's split run through the gateway's own agent loop, and what it says of the agent.
+
+Every episode is one ``AgentLoop`` run on the embedded backend (with the candidate's LoRA adapter, or none),
+the suite's tools for the task (with its injected fault, if any), greedy decoding, and the suite's verifier.
+Episodes run ``concurrency`` at a time, so the backend batches their model calls.
+
+Metrics: ``training/metrics.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import orjson
+import structlog
+from tqdm import tqdm
+
+from gateway.agent.limits import Limits
+from gateway.agent.loop import AgentLoop, Profile, Recorder, RunState, StepRecord
+from gateway.backends.base import Backend, ChatRequest, ChatResult
+from gateway.backends.local import LocalBackend
+from gateway.config import BackendSettings, TrainingSettings
+from replay.store import new_id
+from training.metrics import METRICS, Episode, metrics_of
+from training.tasks import Suite, Task, get_suite
+
+log = structlog.get_logger()
+
+EPISODE_LIMITS = Limits(max_steps=6, max_consecutive_tool_failures=3, max_repeats=3)
+
+
+@dataclass
+class Report:
+    model: str  # "base", or the adapter evaluated
+    suite: str
+    split: str
+    metrics: dict[str, float | None]
+    episodes: list[Episode] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(asdict(self), option=orjson.OPT_INDENT_2)
+
+
+class _NoRecorder:
+    async def step(self, state: RunState, record: StepRecord) -> None:
+        pass
+
+
+class _WithAdapter:
+    """The backend as one adapter sees it: every request carries the adapter's name."""
+
+    def __init__(self, backend: LocalBackend, adapter: str | None) -> None:
+        self.backend = backend
+        self.adapter = adapter
+        self.name = backend.name
+        self.models = backend.models
+        self.count_tokens = backend.count_tokens
+
+    async def chat(self, request: ChatRequest) -> ChatResult:
+        return await self.backend.chat(ChatRequest(body=request.body, model=request.model, adapter=self.adapter))
+
+
+# Makes (and starts) the recorder of one episode, e.g. a StoreRecorder that captures it into the store.
+RecorderFor = Callable[[Task, Profile, RunState], Awaitable[Recorder]]
+
+
+class Evaluator:
+    """One embedded backend for every evaluation of a process; adapters are loaded into it as needed."""
+
+    def __init__(self, settings: TrainingSettings) -> None:
+        self.settings = settings
+        self.backend = LocalBackend(BackendSettings(
+            name="eval", kind="local", models=[settings.base_model], model_path=settings.model_path,
+            max_batch_size=max(settings.eval_concurrency, 1)))
+        self._started = False
+        self._adapters: dict[str, str] = {}  # folder -> the name it is loaded under
+
+    async def __aenter__(self) -> Evaluator:
+        await self.backend.start()
+        self._started = True
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.backend.aclose()
+
+    async def _adapter_name(self, adapter: str | Path | None) -> str | None:
+        if adapter is None:
+            return None
+        folder = str(Path(adapter).resolve())
+        if folder not in self._adapters:
+            name = f"eval-{len(self._adapters) + 1}"
+            await self.backend.load_adapter(name, folder)
+            self._adapters[folder] = name
+        return self._adapters[folder]
+
+    async def episodes(self, suite: Suite, tasks: list[Task], adapter: str | Path | None = None, *,
+                       recorder_for: RecorderFor | None = None, temperature: float = 0.0,
+                       progress: str | None = None) -> list[Episode]:
+        """Run every task once; with ``recorder_for`` each episode is also recorded (e.g. into the store)."""
+        backend = _WithAdapter(self.backend, await self._adapter_name(adapter))
+        gate = asyncio.Semaphore(self.settings.eval_concurrency)
+        bar = tqdm(total=len(tasks), desc=progress, unit="ep", disable=progress is None, leave=False)
+
+        async def one(task: Task) -> Episode:
+            async with gate:
+                episode = await self._episode(suite, task, backend, recorder_for, temperature)
+            bar.update()
+            return episode
+
+        try:
+            return list(await asyncio.gather(*(one(t) for t in tasks)))
+        finally:
+            bar.close()
+
+    async def _episode(self, suite: Suite, task: Task, backend: Backend, recorder_for: RecorderFor | None,
+                       temperature: float) -> Episode:
+        profile = Profile(name=suite.name, model=self.settings.base_model, system_prompt=suite.system_prompt,
+                          tools=list(task.tools), limits=EPISODE_LIMITS, temperature=temperature,
+                          max_tokens=self.settings.eval_max_tokens)
+        state = RunState(run_id=new_id(), profile=profile.name,
+                         messages=[{"role": "system", "content": suite.system_prompt},
+                                   {"role": "user", "content": task.prompt}])
+        recorder = await recorder_for(task, profile, state) if recorder_for else _NoRecorder()
+        loop = AgentLoop(profile=profile, backend=backend, toolbox=suite.toolbox(task), recorder=recorder,
+                         state=state, token_counter=self.backend.count_tokens)
+        state = await loop.run()
+        return Episode(
+            task_id=task.id, family=task.family, success=suite.verify(task, state.final, state.messages),
+            steps=state.budget.steps, tool_calls=state.tool_calls, invalid_calls=state.invalid_tool_calls,
+            needs_tools=task.family != "cannot", faulted=task.fault is not None, status=state.status,
+            termination_reason=state.termination_reason, final=state.final, run_id=state.run_id)
+
+    async def evaluate(self, suite_name: str, split: str, adapter: str | Path | None = None, *,
+                       general: Callable[[str | Path | None], float] | None = None,
+                       label: str | None = None) -> Report:
+        """The report of one model (the base, or ``adapter``) on one split."""
+        suite = get_suite(suite_name)
+        started = time.perf_counter()
+        episodes = await self.episodes(suite, suite.tasks(split), adapter,
+                                       progress=f"{label or adapter or 'base'} on {split}")
+        metrics = metrics_of(episodes)
+        metrics["general_perplexity"] = await asyncio.to_thread(general, adapter) if general else None
+        return Report(model=label or (str(adapter) if adapter else "base"), suite=suite_name, split=split,
+                      metrics=metrics, episodes=episodes, seconds=time.perf_counter() - started)
+
+
+def write_reports(reports: list[Report], out: Path, *, title: str) -> tuple[Path, Path]:
+    """The reports as JSON and as a PNG bar chart, one group of bars per metric."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out / "eval.json", out / "eval.png"
+    json_path.write_bytes(orjson.dumps([asdict(r) for r in reports], option=orjson.OPT_INDENT_2))
+    rates = [m for m in METRICS if m not in ("mean_steps", "general_perplexity")]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4), gridspec_kw={"width_ratios": [len(rates), 1, 1]})
+    width = 0.8 / max(len(reports), 1)
+    for panel, names in zip(axes, (rates, ["mean_steps"], ["general_perplexity"]), strict=True):
+        for i, report in enumerate(reports):
+            values = [report.metrics.get(n) or 0.0 for n in names]
+            xs = [x + i * width for x in range(len(names))]
+            panel.bar(xs, values, width, label=report.model)
+        panel.set_xticks([x + width * (len(reports) - 1) / 2 for x in range(len(names))])
+        panel.set_xticklabels([n.replace("_", "\n") for n in names], fontsize=8)
+    axes[0].set_ylim(0, 1)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return json_path, png_path

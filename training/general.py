@@ -1,0 +1,61 @@
+"""The general-ability check: perplexity on the held-out part of the general data, with an adapter or without.
+
+The general data is the base model's own answers to the prompts shipped with the project (or the file
+``[training] general_data`` names); a fixed quarter is held out and never trained on. An adapter that made the
+model worse at ordinary conversation shows here as a higher perplexity than the base's.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from gateway.backends.local_model import load_model
+from gateway.config import TrainingSettings
+from training import data
+
+
+class GeneralCheck:
+    """Loads the base weights once (on first use) and measures any number of adapters against them."""
+
+    def __init__(self, settings: TrainingSettings) -> None:
+        self.settings = settings
+        self._model: Any = None
+        self._tokenizer: Any = None
+        self._held_out: list[data.Example] | None = None
+        self._train: list[list[dict[str, Any]]] | None = None
+        self._lock = threading.Lock()
+
+    def _load(self) -> None:
+        if self._model is not None:
+            return
+        loaded = load_model(self.settings.model_path)
+        self._model, self._tokenizer = loaded.model, loaded.tokenizer
+        conversations = (data.load_conversations(self.settings.general_data) if self.settings.general_data
+                         else data.general_conversations(self._model, self._tokenizer))
+        train, held_out = data.split_general(conversations, seed=self.settings.seed)
+        self._train = train
+        self._held_out = data.general_examples(self._tokenizer, held_out, self.settings.max_seq_len)
+
+    def training_conversations(self) -> list[list[dict[str, Any]]]:
+        """The general conversations training may use (never the held-out ones)."""
+        with self._lock:
+            self._load()
+            assert self._train is not None
+            return self._train
+
+    def perplexity(self, adapter: str | Path | None = None) -> float:
+        """Perplexity of the base (``adapter=None``) or the base with the adapter folder applied."""
+        with self._lock:
+            self._load()
+            assert self._held_out is not None
+            if adapter is None:
+                return data.perplexity(self._model, self._tokenizer, self._held_out)
+            from peft import PeftModel
+
+            wrapped = PeftModel.from_pretrained(self._model, str(adapter), is_trainable=False)
+            try:
+                return data.perplexity(wrapped, self._tokenizer, self._held_out)
+            finally:
+                self._model = wrapped.unload()  # the plain base again, for the next adapter

@@ -1,0 +1,65 @@
+"""What an evaluation measures, as pure functions of its episodes.
+
+Metrics (each in [0, 1] except ``mean_steps`` and ``general_perplexity``):
+
+- ``success_rate``: episodes the verifier accepts;
+- ``mean_steps``: model calls per episode;
+- ``valid_call_rate``: of the episodes that need a tool (every family but ``cannot``), those in which the
+  model called at least one tool and every call it made was valid (a known, offered tool; arguments that
+  satisfy its schema);
+- ``invalid_call_rate``: invalid calls over all calls made (0 when none were made);
+- ``recovery_rate``: of the episodes with an injected tool failure, those that still succeeded;
+- ``general_perplexity``: perplexity on the held-out part of the general data (the general-ability check;
+  lower is better), computed outside the loop with the same weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METRICS = ("success_rate", "mean_steps", "valid_call_rate", "invalid_call_rate", "recovery_rate",
+           "general_perplexity")
+HIGHER_IS_BETTER = {"success_rate": True, "mean_steps": False, "valid_call_rate": True, "invalid_call_rate": False,
+                    "recovery_rate": True, "general_perplexity": False}
+
+
+@dataclass
+class Episode:
+    task_id: str
+    family: str
+    success: bool
+    steps: int
+    tool_calls: int
+    invalid_calls: int
+    needs_tools: bool
+    faulted: bool
+    status: str
+    termination_reason: str | None
+    final: str | None
+    run_id: str
+
+
+def metrics_of(episodes: list[Episode]) -> dict[str, float | None]:
+    """The suite metrics of a list of episodes (``None`` where no episode qualifies)."""
+    def share(hits: list[bool]) -> float | None:
+        return sum(hits) / len(hits) if hits else None
+
+    calls = sum(e.tool_calls for e in episodes)
+    needing = [e for e in episodes if e.needs_tools]
+    return {
+        "success_rate": share([e.success for e in episodes]),
+        "mean_steps": sum(e.steps for e in episodes) / len(episodes) if episodes else None,
+        "valid_call_rate": share([e.tool_calls > 0 and e.invalid_calls == 0 for e in needing]),
+        "invalid_call_rate": sum(e.invalid_calls for e in episodes) / calls if calls else 0.0,
+        "recovery_rate": share([e.success for e in episodes if e.faulted]),
+    }
+
+
+def format_value(name: str, value: float | None) -> str:
+    if value is None:
+        return "-"
+    if name == "mean_steps":
+        return f"{value:.2f}"
+    if name == "general_perplexity":
+        return f"{value:.2f}"
+    return f"{value:.0%}"

@@ -1,0 +1,313 @@
+"""Supervised fine-tuning of a LoRA adapter on replay rows: the data → loss → step part of replay-train.
+
+The algorithm:
+
+1. Load the base model as the local backend does (``gateway.backends.local_model.load_model``) and wrap it with
+   a peft LoRA adapter (``rank``, ``alpha``, ``dropout`` on ``target_modules``); only the adapter trains.
+2. Each epoch, shuffle the examples with the seed, sort pools of them by length and cut the pools into
+   micro-batches (length buckets: little padding, yet random batches), then shuffle the batches. Right padding,
+   attention mask 0 and label -100 on padding.
+3. The loss is the mean cross-entropy of the label tokens (``masked_lm_loss``): the completions only. With
+   gradient accumulation each micro-batch is weighted by its share of the step's label tokens, so a step's
+   loss is the mean over all its label tokens however they fall into micro-batches.
+4. AdamW on the LoRA parameters, a linear warm-up over the first ~5% of steps then cosine decay to zero,
+   gradients clipped to norm 1.0.
+5. ``checkpoints`` evenly spaced adapter folders (``checkpoint-<step>/``, peft's standard layout, which the
+   local backend, SGLang and vLLM all load), each optionally validated by the caller; ``metrics.jsonl`` every
+   ``log_every`` steps and at each checkpoint; ``loss.png`` at the end.
+
+CUDA runs with bf16 autocast over float32 weights; CPU runs in float32. Simplifications: no packing of rows
+into one sequence, no gradient checkpointing (the models this trains are small), one device.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import structlog
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from gateway.backends.local_model import LoadedModel, load_model
+from training.data import IGNORE, Example, pad_batch
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+    from gateway.config import TrainingSettings
+
+log = structlog.get_logger()
+
+Validate = Callable[[Path], dict[str, Any]]
+OnCheckpoint = Callable[[Path, dict[str, Any]], None]
+
+
+@dataclass
+class SFTConfig:
+    """What one SFT run does; ``from_settings`` reads the ``[training]`` section."""
+
+    base_model: str = "smollm2-135m-instruct"  # the served base name, written into each adapter_config.json
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    learning_rate: float = 2e-4
+    epochs: float = 2.0
+    batch_size: int = 8
+    grad_accum: int = 1
+    max_seq_len: int = 1024
+    checkpoints: int = 3
+    seed: int = 0
+    warmup_ratio: float = 0.05
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+    log_every: int = 10  # optimizer steps between metrics.jsonl lines
+    bucket_batches: int = 16  # micro-batches per length-sorted pool: more, less padding; fewer, more randomness
+
+    @classmethod
+    def from_settings(cls, training: TrainingSettings, **overrides: Any) -> SFTConfig:
+        fields = dict(base_model=training.base_model, rank=training.rank, alpha=training.alpha,
+                      dropout=training.dropout, target_modules=list(training.target_modules),
+                      learning_rate=training.learning_rate, epochs=training.epochs, batch_size=training.batch_size,
+                      grad_accum=training.grad_accum, max_seq_len=training.max_seq_len,
+                      checkpoints=training.checkpoints, seed=training.seed)
+        return cls(**{**fields, **overrides})
+
+
+@dataclass
+class SFTResult:
+    checkpoints: list[Path]
+    losses: list[float]  # one per optimizer step
+    tokens: int  # real (unpadded) tokens trained on
+    seconds: float  # the training loop alone (no loading, saving or validation)
+    tokens_per_second: float
+    metrics: list[dict[str, Any]] = field(default_factory=list)  # what metrics.jsonl holds
+    model: PeftModel | None = field(default=None, repr=False)  # the trained model, adapter active
+
+
+def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of each label token given the tokens before it; labels of -100 are skipped.
+
+    ``logits`` [batch, seq, vocab] at position t predict the token at t + 1; shifting the labels (padded with
+    -100 at the end) rather than slicing the logits avoids copying the biggest tensor of the step.
+    """
+    targets = F.pad(labels, (0, 1), value=IGNORE)[:, 1:]
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+
+
+def label_tokens(example: Example) -> int:
+    """Tokens ``masked_lm_loss`` scores in this example (the first position is never predicted)."""
+    return sum(label != IGNORE for label in example.labels[1:])
+
+
+def plan_batches(examples: list[Example], batch_size: int, epochs: float, seed: int,
+                 bucket_batches: int = 16) -> list[tuple[float, list[Example]]]:
+    """(epoch, micro-batch) pairs for the whole run, length-bucketed within shuffled pools."""
+    rng = random.Random(seed)
+    pool = batch_size * bucket_batches
+    planned: list[tuple[float, list[Example]]] = []
+    for epoch in range(math.ceil(epochs)):
+        order = list(examples)
+        rng.shuffle(order)
+        batches = []
+        for start in range(0, len(order), pool):
+            chunk = sorted(order[start:start + pool], key=lambda e: len(e.input_ids))
+            batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+        rng.shuffle(batches)
+        if epoch + 1 > epochs:  # a fractional last epoch: the first part of one more pass
+            batches = batches[:max(1, round((epochs - epoch) * len(batches)))]
+        planned += [(epoch + (i + 1) / len(batches), b) for i, b in enumerate(batches)]
+    return planned
+
+
+def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
+    """The learning-rate factor at each step: linear up to 1 over ``warmup`` steps, then cosine down to 0."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def checkpoint_steps(total: int, count: int) -> list[int]:
+    """``count`` steps spread evenly over ``total``, the last one included."""
+    return sorted({max(1, round(total * k / count)) for k in range(1, count + 1)})
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def load_base(model_path: str | None = None) -> LoadedModel:
+    """The base model and tokenizer, as the local backend loads them (a GGUF, its cache, or a checkpoint folder)."""
+    return load_model(model_path)
+
+
+def wrap_lora(model: torch.nn.Module, config: SFTConfig) -> PeftModel:
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
+                      target_modules=list(config.target_modules), task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, lora)
+    # Readers of the adapter (the registry, SGLang, vLLM) see which served base it belongs to.
+    peft_model.peft_config["default"].base_model_name_or_path = config.base_model
+    return peft_model
+
+
+def train_sft(base_model_path: str | None, examples: list[Example], config: SFTConfig, out_dir: Path, *,
+              validate: Validate | None = None, on_checkpoint: OnCheckpoint | None = None,
+              loaded: LoadedModel | None = None) -> SFTResult:
+    """Train a LoRA adapter on ``examples``; checkpoints, ``metrics.jsonl`` and ``loss.png`` go under ``out_dir``.
+
+    ``base_model_path`` is what ``load_model`` takes (None: the embedded model); ``loaded`` skips loading (its model
+    is wrapped in place). ``validate(checkpoint)`` returns metrics recorded beside the step's;
+    ``on_checkpoint(checkpoint, metrics)`` is told of each checkpoint once it is saved and validated.
+    """
+    if not examples:
+        raise ValueError("no examples to train on")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    seed_everything(config.seed)
+    loaded = loaded or load_base(base_model_path)
+    tokenizer = loaded.tokenizer
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = wrap_lora(loaded.model, config).to(device)
+    model.train()
+
+    plan = plan_batches(examples, config.batch_size, config.epochs, config.seed, config.bucket_batches)
+    steps = math.ceil(len(plan) / config.grad_accum)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
+    warmup = max(1, round(config.warmup_ratio * steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(warmup, steps))
+    saves = set(checkpoint_steps(steps, config.checkpoints))
+    log.info("sft.start", examples=len(examples), micro_batches=len(plan), steps=steps, device=device.type,
+             trainable=sum(p.numel() for p in params), checkpoints=sorted(saves), out_dir=str(out_dir))
+
+    metrics_path = out_dir / "metrics.jsonl"
+    metrics_path.unlink(missing_ok=True)
+    result = SFTResult(checkpoints=[], losses=[], tokens=0, seconds=0.0, tokens_per_second=0.0, model=model)
+    window_tokens, window_seconds, window_losses = 0, 0.0, []
+    bar = tqdm(total=steps, desc="sft", unit="step", disable=not sys.stderr.isatty())
+    for step in range(1, steps + 1):
+        started = time.perf_counter()
+        group = plan[(step - 1) * config.grad_accum:step * config.grad_accum]
+        epoch = group[-1][0]
+        step_labels = sum(label_tokens(e) for _, batch in group for e in batch)
+        step_loss, step_tokens = 0.0, 0
+        for _, examples_in_batch in group:
+            batch = pad_batch(examples_in_batch, pad_id).to(device)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+            loss = masked_lm_loss(logits, batch.labels)
+            # Weighted by the micro-batch's share of the step's label tokens: the step's loss is their mean.
+            share = sum(label_tokens(e) for e in examples_in_batch) / step_labels
+            (loss * share).backward()
+            step_loss += loss.item() * share
+            step_tokens += batch.tokens
+            del logits, loss  # else the last batch's logits (batch x seq x vocab) live on through the next forward
+        torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - started
+
+        result.losses.append(step_loss)
+        result.tokens += step_tokens
+        result.seconds += elapsed
+        window_tokens, window_seconds = window_tokens + step_tokens, window_seconds + elapsed
+        window_losses.append(step_loss)
+        bar.update(1)
+        bar.set_postfix(loss=f"{step_loss:.4f}")
+        if step % config.log_every == 0 or step in saves:
+            line = {"step": step, "epoch": round(epoch, 4), "loss": sum(window_losses) / len(window_losses),
+                    "lr": lr, "tokens_per_second": window_tokens / window_seconds if window_seconds else 0.0}
+            window_tokens, window_seconds, window_losses = 0, 0.0, []
+            if step in saves:
+                line.update(_checkpoint(model, out_dir, step, validate, result))
+            _append(metrics_path, line)
+            result.metrics.append(line)
+            log.info("sft.progress", **{k: v for k, v in line.items() if not isinstance(v, dict)})
+            if step in saves and on_checkpoint is not None:
+                on_checkpoint(result.checkpoints[-1], line)
+    bar.close()
+
+    result.tokens_per_second = result.tokens / result.seconds if result.seconds else 0.0
+    plot_loss(result.losses, out_dir / "loss.png")
+    log.info("sft.done", steps=steps, tokens=result.tokens, seconds=round(result.seconds, 2),
+             tokens_per_second=round(result.tokens_per_second, 1), final_loss=result.losses[-1],
+             checkpoints=[str(c) for c in result.checkpoints])
+    return result
+
+
+def _checkpoint(model: PeftModel, out_dir: Path, step: int, validate: Validate | None,
+                result: SFTResult) -> dict[str, Any]:
+    """Save the adapter as ``checkpoint-<step>/`` and validate it; what to record about it."""
+    folder = out_dir / f"checkpoint-{step}"
+    # peft's "auto" looks the base name up on the Hub to see whether the vocabulary changed; it never does here
+    # unless the embeddings themselves are adapted (then "auto" saves them without a look-up).
+    targets = model.peft_config["default"].target_modules or ()
+    embeddings = any(name in ("embed_tokens", "lm_head") for name in targets)
+    model.save_pretrained(str(folder), save_embedding_layers="auto" if embeddings else False)
+    result.checkpoints.append(folder)
+    record: dict[str, Any] = {"checkpoint": str(folder)}
+    if validate is not None:
+        was_training = model.training
+        try:
+            record["validation"] = validate(folder)
+        finally:
+            model.train(was_training)  # a validator may have used the model
+    log.info("sft.checkpoint", step=step, checkpoint=str(folder), validation=record.get("validation"))
+    return record
+
+
+def _append(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps(record, default=str) + "\n")
+
+
+def smooth(values: list[float], weight: float = 0.9) -> list[float]:
+    """Exponential moving average with bias correction, so the first points are not pulled towards 0."""
+    out, average = [], 0.0
+    for i, value in enumerate(values, 1):
+        average = weight * average + (1 - weight) * value
+        out.append(average / (1 - weight ** i))
+    return out
+
+
+def plot_loss(losses: list[float], path: Path) -> None:
+    """Loss per step, raw and smoothed, as a PNG."""
+    # The Agg canvas directly: no pyplot, so no global backend is chosen for the caller's process.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.subplots()
+    steps = range(1, len(losses) + 1)
+    axes.plot(steps, losses, alpha=0.3, label="loss")
+    axes.plot(steps, smooth(losses), label="smoothed")
+    axes.set_xlabel("step")
+    axes.set_ylabel("loss (completion tokens)")
+    axes.legend()
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path)

@@ -1,0 +1,269 @@
+"""What a task suite is: tasks in fixed splits, the tools they run with, a verifier and a solver.
+
+A ``Suite`` hands out ``Task``s for ``train``, ``validation`` and ``test``; ``toolbox(task)`` gives the
+tools one episode may use (a fresh call counter each time, so an injected ``Fault`` fires on the
+configured call of that episode); ``verify`` judges an episode's final answer; ``solve`` produces the
+conversation a perfect agent would have, by running the real tools.
+
+Faults are ``ToolOutcome``s shaped like the executor's own (``tools/executor.py``):
+
+- ``timeout``: status ``timeout``, ``Tool NAME timed out after Ns`` (N is the tool's own timeout);
+- ``empty``: status ``ok`` with the empty output ``""``;
+- ``error``: status ``error``, ``Tool NAME failed: reason`` with a plausible reason for that tool.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tools.context import ToolContext
+from tools.executor import ToolOutcome
+from tools.registry import ToolRegistry
+from tools.spec import ToolSpec
+from tools.toolbox import Toolbox as ToolsToolbox
+
+SPLITS = ("train", "validation", "test")
+FAULT_KINDS = ("timeout", "empty", "error")
+
+# Failure reasons an injected ``error`` fault reports, by tool; others get DEFAULT_FAULT_ERROR.
+FAULT_ERRORS: dict[str, str] = {
+    "sql_query": "OperationalError: database is locked",
+    "calculator": "RuntimeError: the evaluation worker stopped unexpectedly",
+    "convert_units": "ConnectionResetError: [Errno 104] Connection reset by peer",
+}
+DEFAULT_FAULT_ERROR = "ConnectionError: the service is temporarily unavailable"
+
+# What a refusal says; an answer containing one of these is a refusal (apostrophes normalised).
+REFUSAL_PHRASES = ("cannot", "can't", "can not", "unable", "not able", "no information", "not available",
+                   "don't have", "do not have")
+
+REL_TOLERANCE = 1e-6
+ABS_TOLERANCE = 0.01
+
+# Numbers as a model writes them: -12, 3.5, 5,200 (thousands separators), not the 2 of "x2".
+_NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """The ``call``-th execution of ``tool`` in an episode fails this way; later calls work."""
+
+    tool: str
+    kind: Literal["timeout", "empty", "error"]
+    call: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"fault kind must be one of {FAULT_KINDS}, got {self.kind!r}")
+        if self.call < 1:
+            raise ValueError(f"fault call counts from 1, got {self.call}")
+
+
+@dataclass(frozen=True)
+class Task:
+    id: str  # unique and stable, e.g. "tools/train/calc-017"
+    suite: str
+    family: str  # calculator, sql_lookup, chain, cannot, recovery, ...
+    split: str
+    prompt: str  # the user message
+    tools: tuple[str, ...]  # the tools offered in this episode
+    expected: Any  # a number, a string, or None when the right answer is that it cannot be answered
+    fault: Fault | None = None
+
+
+def fault_outcome(spec: ToolSpec, kind: str) -> ToolOutcome:
+    """The outcome an injected fault of ``kind`` gives for a call to ``spec``."""
+    if kind == "timeout":
+        return ToolOutcome("timeout", f"Tool {spec.name} timed out after {spec.timeout:g}s", spec.timeout * 1000)
+    if kind == "empty":
+        return ToolOutcome("ok", "", 1.0)
+    if kind == "error":
+        reason = FAULT_ERRORS.get(spec.name, DEFAULT_FAULT_ERROR)
+        return ToolOutcome("error", f"Tool {spec.name} failed: {reason}", 2.0)
+    raise ValueError(f"unknown fault kind {kind!r}")
+
+
+class TaskToolbox:
+    """One episode's tools (satisfies ``gateway.agent.loop.Toolbox``), with the task's fault injected.
+
+    ``executed`` lists every call as ``(name, arguments, outcome, injected)``, for evaluators that
+    count failures and recoveries.
+    """
+
+    def __init__(self, inner: ToolsToolbox, fault: Fault | None = None) -> None:
+        self.inner = inner
+        self.fault = fault
+        self.counts: dict[str, int] = {}
+        self.executed: list[tuple[str, dict[str, Any], ToolOutcome, bool]] = []
+
+    def schemas(self) -> dict[str, dict[str, Any] | None]:
+        return self.inner.schemas()
+
+    def get(self, name: str) -> ToolSpec | None:
+        return self.inner.get(name)
+
+    def openai_tools(self) -> list[dict[str, Any]]:
+        return self.inner.openai_tools()
+
+    async def execute(self, name: str, arguments: dict[str, Any]) -> ToolOutcome:
+        n = self.counts[name] = self.counts.get(name, 0) + 1
+        spec = self.inner.get(name)
+        fault = self.fault
+        if fault is not None and spec is not None and fault.tool == name and fault.call == n:
+            outcome, injected = fault_outcome(spec, fault.kind), True
+        else:
+            outcome, injected = await self.inner.execute(name, arguments), False
+        self.executed.append((name, dict(arguments), outcome, injected))
+        return outcome
+
+
+# -- verifying ------------------------------------------------------------------------------------
+
+
+def numbers_in(text: str) -> list[float]:
+    """Every number written in ``text``, in order."""
+    return [float(m.group().replace(",", "")) for m in _NUMBER.finditer(text)]
+
+
+def close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=REL_TOLERANCE, abs_tol=ABS_TOLERANCE)
+
+
+def is_refusal(text: str) -> bool:
+    low = text.lower().replace("\u2019", "'")
+    return any(p in low for p in REFUSAL_PHRASES)
+
+
+def check_final(expected: Any, final: str | None, prompt: str = "") -> bool:
+    """The verifier's rule (see the module docstring of the suite and README.md).
+
+    - no answer or a blank one fails;
+    - ``expected is None`` (cannot be answered): the answer must refuse and must not state a number
+      that is not in the prompt (that would be an invented answer);
+    - otherwise a refusal fails; a number must appear in the answer (relative tolerance 1e-6 or
+      absolute 0.01); a string must appear in it, case-insensitively.
+    """
+    if final is None or not final.strip():
+        return False
+    if expected is None:
+        if not is_refusal(final):
+            return False
+        given = numbers_in(prompt)
+        return all(any(close(n, g) for g in given) for n in numbers_in(final))
+    if is_refusal(final):
+        return False
+    if isinstance(expected, bool):
+        raise TypeError("a task's expected value may not be a bool")
+    if isinstance(expected, int | float):
+        return any(close(n, float(expected)) for n in numbers_in(final))
+    if isinstance(expected, str):
+        return expected.lower() in final.lower()
+    raise TypeError(f"cannot verify an expected value of type {type(expected).__name__}")
+
+
+def format_number(value: float | int) -> str:
+    """How demonstrations write numbers: whole numbers without a point, others to at most 4 decimals."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    if isinstance(value, float):
+        return f"{value:.4f}".rstrip("0").rstrip(".")
+    return str(value)
+
+
+# -- solving --------------------------------------------------------------------------------------
+
+
+class Demonstration:
+    """Builds a perfect agent's conversation by running calls through an episode's toolbox.
+
+    ``call`` runs one tool call and records it; when the result is a failure (status other than
+    ``ok``) or empty, it calls the tool again with ``retry`` arguments (or the same ones) and records
+    that too: the recovery a demonstration should teach.
+    """
+
+    def __init__(self, toolbox: TaskToolbox, prompt: str,
+                 retry: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None) -> None:
+        self.toolbox = toolbox
+        self.messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
+        self.retry = retry
+        self._ids = 0
+
+    async def _once(self, name: str, arguments: Mapping[str, Any]) -> ToolOutcome:
+        self._ids += 1
+        call_id = f"call_{self._ids}"
+        self.messages.append({"role": "assistant", "content": "", "tool_calls": [
+            {"id": call_id, "type": "function",
+             "function": {"name": name, "arguments": json.dumps(dict(arguments), ensure_ascii=False)}}]})
+        outcome = await self.toolbox.execute(name, dict(arguments))
+        self.messages.append({"role": "tool", "tool_call_id": call_id, "content": outcome.output})
+        return outcome
+
+    async def call(self, name: str, arguments: Mapping[str, Any]) -> str:
+        """The tool's output, after one retry when the first attempt failed or came back empty."""
+        outcome = await self._once(name, arguments)
+        if outcome.status != "ok" or not outcome.output.strip():
+            again = self.retry(name, dict(arguments)) if self.retry else dict(arguments)
+            outcome = await self._once(name, again)
+        return outcome.output
+
+    def answer(self, text: str) -> list[dict[str, Any]]:
+        self.messages.append({"role": "assistant", "content": text})
+        return self.messages
+
+
+# -- the suite ------------------------------------------------------------------------------------
+
+
+class Suite(ABC):
+    """A named set of tasks with fixed splits, the tools they need, a verifier and a solver."""
+
+    name: str
+    system_prompt: str
+
+    @abstractmethod
+    def tasks(self, split: str) -> list[Task]:
+        """The split's tasks, always the same ones in the same order."""
+
+    @abstractmethod
+    def registry(self) -> ToolRegistry:
+        """Every tool any split offers, the test-only one included."""
+
+    @abstractmethod
+    def context(self) -> ToolContext:
+        """The context the tools run with (creates what they need, e.g. the database, when missing)."""
+
+    @abstractmethod
+    async def solve(self, task: Task) -> list[dict[str, Any]]:
+        """A correct demonstration: OpenAI chat messages from the user prompt to the final answer."""
+
+    def toolbox(self, task: Task) -> TaskToolbox:
+        """A fresh toolbox for one episode of ``task``: its tools, bound to ``context()``, fault injected."""
+        return TaskToolbox(ToolsToolbox(self.registry(), self.context(), task.tools), task.fault)
+
+    def verify(self, task: Task, final: str | None, messages: list[dict[str, Any]]) -> bool:
+        """Whether the episode succeeded, judged on its final answer (see ``check_final``)."""
+        return check_final(task.expected, final, task.prompt)
+
+    def test_only_phrasings(self) -> tuple[str, ...]:
+        """Text fragments that only test prompts contain (one per test-only phrasing)."""
+        return ()
+
+    def all_tasks(self) -> list[Task]:
+        return [t for split in SPLITS for t in self.tasks(split)]
+
+    def task(self, task_id: str) -> Task:
+        for t in self.all_tasks():
+            if t.id == task_id:
+                return t
+        raise KeyError(f"no task {task_id!r} in suite {self.name!r}")
+
+    @staticmethod
+    def check_split(split: str) -> None:
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r} (known: {', '.join(SPLITS)})")
