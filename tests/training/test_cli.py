@@ -1,0 +1,58 @@
+"""``harness eval``, ``harness tasks`` and ``harness replay-train`` from the command line (tiny random model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import orjson
+import pytest
+from typer.testing import CliRunner
+
+from gateway.cli import app
+
+pytestmark = pytest.mark.integration
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def env(tmp_path: Path, tiny_model_dir: Path) -> dict[str, str]:
+    general = tmp_path / "general.jsonl"
+    general.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"Say {i}."}, {"role": "assistant", "content": f"{i}."}]}) + "\n"
+        for i in range(8)))
+    return {"HARNESS_STORE__PATH": str(tmp_path / "harness.db"),
+            "HARNESS_TRAINING__MODEL_PATH": str(tiny_model_dir),
+            "HARNESS_TRAINING__OUTPUT_DIR": str(tmp_path / "runs"),
+            "HARNESS_TRAINING__EVAL_MAX_TOKENS": "4", "HARNESS_TRAINING__EVAL_CONCURRENCY": "16",
+            "HARNESS_TRAINING__GENERAL_DATA": str(general)}
+
+
+def test_eval_prints_the_table_and_writes_json_and_png(env: dict[str, str], tmp_path: Path) -> None:
+    result = runner.invoke(app, ["eval", "base", "--split", "validation", "--out", str(tmp_path / "e")], env=env)
+    assert result.exit_code == 0, result.output
+    assert "success_rate" in result.output and "general_perplexity" in result.output
+    (report,) = orjson.loads((tmp_path / "e" / "eval.json").read_bytes())
+    assert report["split"] == "validation" and len(report["episodes"]) == 30
+    assert (tmp_path / "e" / "eval.png").stat().st_size > 0
+
+
+def test_usage_errors_are_clear(env: dict[str, str], tmp_path: Path) -> None:
+    result = runner.invoke(app, ["tasks", "capture", "--split", "test"], env=env)
+    assert result.exit_code == 2 and "test split" in result.output
+    result = runner.invoke(app, ["eval", "nope@1", "--split", "test"], env=env)
+    assert result.exit_code == 2 and "neither 'base'" in result.output
+    result = runner.invoke(app, ["eval", "base", "--split", "everything"], env=env)
+    assert result.exit_code == 2 and "--split must be one of" in result.output
+    result = runner.invoke(app, ["replay-train", "--mode", "sft", "--source", "demo"], env=env)
+    assert result.exit_code == 1 and "no trajectories match" in result.output
+    result = runner.invoke(app, ["replay-train", "--mode", "rl"], env=env)
+    assert result.exit_code == 2 and "not available" in result.output
+
+
+def test_tasks_list_names_each_task(env: dict[str, str]) -> None:
+    result = runner.invoke(app, ["tasks", "list", "--split", "validation"], env=env)
+    assert result.exit_code == 0
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 30 and all(line.startswith("tools/validation/") for line in lines)
