@@ -43,7 +43,9 @@ from safetensors.torch import save_file  # noqa: E402
 from bench.local_backend import PROMPTS  # noqa: E402
 from gateway.backends.base import ChatRequest  # noqa: E402
 from gateway.backends.local import LocalBackend  # noqa: E402
+from gateway.backends.local_model import load_tokenizer  # noqa: E402
 from gateway.config import BackendSettings  # noqa: E402
+from tests.models import tiny_llama  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -79,22 +81,6 @@ def random_lora(model: torch.nn.Module, folder: Path, rank: int, seed: int) -> P
     folder.mkdir(parents=True, exist_ok=True)
     LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(TARGETS), task_type="CAUSAL_LM").save_pretrained(folder)
     save_file(weights, str(folder / "adapter_model.safetensors"))
-    return folder
-
-
-def tiny_model(folder: Path) -> Path:
-    """A 2-layer random Llama with the embedded model's tokenizer, saved where ``model_path`` can name it."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from gateway.backends.local_model import load_tokenizer
-
-    tokenizer = load_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
     return folder
 
 
@@ -177,7 +163,7 @@ def _print_local_mixed(figures: list[BatchFigure], max_tokens: int) -> None:
 def section_local_mixed(args: argparse.Namespace) -> None:
     print("== local-mixed: mixed-adapter batches on the local backend ==")
     with tempfile.TemporaryDirectory(prefix="bench-tiny-") as tmp:
-        model_path = str(tiny_model(Path(tmp))) if args.tiny else args.model_path
+        model_path = str(tiny_llama(Path(tmp), load_tokenizer())) if args.tiny else args.model_path
         figures = asyncio.run(bench_local_mixed(model_path, cache_dir=args.cache_dir, threads=args.threads,
                                                 batch=args.batch, adapters=args.adapters, rank=args.rank,
                                                 max_tokens=args.max_tokens, repeats=args.repeats))

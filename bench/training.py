@@ -41,6 +41,7 @@ import structlog  # noqa: E402
 import torch  # noqa: E402
 
 from gateway.backends.local_model import LoadedModel, load_model, load_tokenizer  # noqa: E402
+from tests.models import tiny_llama  # noqa: E402
 from training.data import IGNORE, Example, pad_batch  # noqa: E402
 from training.sft import SFTConfig, train_sft, wrap_lora  # noqa: E402
 
@@ -52,20 +53,6 @@ class Figure:
     label: str
     tokens_per_second: float
     step_seconds: float
-
-
-def tiny_model_dir(folder: Path) -> Path:
-    """A 2-layer random Llama with the SmolLM2 tokenizer (what the tests use)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tokenizer = load_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def bench_rows(batch: int, seq_len: int, vocab: int) -> list[Example]:
@@ -121,7 +108,7 @@ def section_sft(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.tiny:
-        args.model_path = str(tiny_model_dir(Path(tempfile.mkdtemp(prefix="bench-tiny-"))))
+        args.model_path = str(tiny_llama(Path(tempfile.mkdtemp(prefix="bench-tiny-")), load_tokenizer()))
     vocab = len(load_tokenizer(args.model_path))
     rows = bench_rows(args.batch, args.seq_len, vocab)
     # One batch a step, every step the same shape; a checkpoint only at the end (outside the timing).
@@ -155,7 +142,7 @@ def section_eval(args: argparse.Namespace) -> None:
     from training.tasks import get_suite
 
     if args.tiny and not args.model_path:
-        args.model_path = str(tiny_model_dir(Path(tempfile.mkdtemp(prefix="bench-tiny-"))))
+        args.model_path = str(tiny_llama(Path(tempfile.mkdtemp(prefix="bench-tiny-")), load_tokenizer()))
     suite = get_suite("tools")
     tasks = suite.tasks("validation")[:args.episodes]
 

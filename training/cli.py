@@ -63,10 +63,10 @@ def adapter_folder(settings: Settings, model: str) -> str | None:
     try:
         name, version = parse_ref(model)
         if version is None:
-            active = [v for v in registry.all() if v.name == name and v.status == "active"]
-            if not active:
+            active = registry.active(name)
+            if active is None:
                 fail(f"adapter {name!r} has no active version; name one as {name}@N", 2)
-            return active[0].path
+            return active.path
         return registry.get(name, version).path
     except RegistryError as exc:
         fail(f"{model!r} is neither 'base', an adapter folder, nor a registered adapter: {exc.message}", 2)

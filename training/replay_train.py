@@ -126,9 +126,9 @@ async def replay_train(settings: Settings, filters: Filters, *, name: str | None
 
     # -- validate, test, gate ---------------------------------------------------------------------------------
     registry = AdapterRegistry(settings.store.path)
-    active = [v for v in await asyncio.to_thread(registry.all) if v.name == name and v.status == "active"]
-    reference = active[0].path if active else None
-    reference_label = active[0].backend_name if active else "base"
+    active = await asyncio.to_thread(registry.active, name)
+    reference = active.path if active else None
+    reference_label = active.backend_name if active else "base"
     async with Evaluator(training) as evaluator:
         validation = []
         for checkpoint in result.checkpoints:

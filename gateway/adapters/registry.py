@@ -128,6 +128,11 @@ class AdapterRegistry:
         with self._connect() as conn:
             return _get(conn, name, version)
 
+    def active(self, name: str) -> AdapterVersion | None:
+        """The version ``base:name`` resolves to, if any."""
+        with self._connect() as conn:
+            return _active(conn, name)
+
     # -- changes -----------------------------------------------------------------------------------
 
     def register(self, name: str, base_model: str, path: str | Callable[[int], str], *,

@@ -22,6 +22,7 @@ import openai
 import pytest
 
 from gateway.app import build_app
+from gateway.auth import hash_secret
 from gateway.config import Settings
 from replay.store import TrajectoryStore
 from tests.standin import ServerThread
@@ -300,9 +301,9 @@ def test_key_defaults_and_the_override_header(kind: str, tmp_path: Path) -> None
     async def make_keys() -> None:
         store = TrajectoryStore(str(tmp_path / "harness.db"))
         await store.start()
-        await store.create_key(tenant="t", name="plain", capture=True, secret_hash=_hash("sk-plain"),
+        await store.create_key(tenant="t", name="plain", capture=True, secret_hash=hash_secret("sk-plain"),
                                default_model=f"{BASE}:sql")
-        await store.create_key(tenant="t", name="override", capture=True, secret_hash=_hash("sk-override"),
+        await store.create_key(tenant="t", name="override", capture=True, secret_hash=hash_secret("sk-override"),
                                allow_model_override=True)
         await store.close()
 
@@ -325,8 +326,3 @@ def test_key_defaults_and_the_override_header(kind: str, tmp_path: Path) -> None
         assert ask("sk-override", BASE, header=f"{BASE}:sql").json()["choices"][0]["message"]["content"] == \
             "served by sql@1"
 
-
-def _hash(secret: str) -> str:
-    from gateway.auth import hash_secret
-
-    return hash_secret(secret)
