@@ -121,6 +121,7 @@ async def replay_train(settings: Settings, filters: Filters, *, name: str | None
     # -- train ----------------------------------------------------------------------------------------------
     result = await asyncio.to_thread(train_sft, training.model_path, rows, SFTConfig.from_settings(training),
                                      run_dir)
+    result.model = None  # evaluation loads the checkpoints into its own backend; free the training copy first
     stage("train", f"{len(result.checkpoints)} checkpoints, {result.tokens:,} tokens in {result.seconds:.0f} s "
                    f"({result.tokens_per_second:,.0f} tokens/s)")
 
