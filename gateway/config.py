@@ -213,6 +213,38 @@ class GateSettings(_Section):
                                       "general data (0.05 = 5%).")
 
 
+class RLSettings(_Section):
+    """Group-relative RL on LoRA (``replay-train --mode rl|sft+rl``): rollouts, the update, validation."""
+
+    algorithm: Literal["grpo", "rloo"] = Field("grpo", description="How a group's rewards become advantages: "
+                                               "grpo (mean and std of the group) or rloo (leave-one-out mean).")
+    steps: int = Field(20, ge=0, description="Online steps: each rolls out a batch of groups and updates on it "
+                       "(0: only the captured groups the filters select).")
+    tasks_per_step: int = Field(8, gt=0, description="Tasks (groups) per step, chosen of similar difficulty.")
+    group_size: int = Field(4, ge=2, description="Rollouts per task in a group.")
+    temperature: float = Field(1.0, gt=0, le=2, description="Sampling temperature of the rollouts.")
+    fault_rate: float = Field(0.2, ge=0, le=1, description="Share of groups whose tools get an injected fault "
+                              "(timeout, empty result or error) on their first call, so recovery is practised.")
+    learning_rate: float = Field(5e-5, gt=0, description="Learning rate of the RL updates (constant).")
+    batch_size: int = Field(4, gt=0, description="Model calls per micro-batch; a step's calls all make one update.")
+    updates_per_batch: int = Field(1, gt=0, description="Optimizer steps on each batch of rollouts; beyond the "
+                                   "first the clipped importance ratio keeps the policy near the rollouts'.")
+    clip: float = Field(0.2, gt=0, lt=1, description="Importance ratios are clipped to [1 - clip, 1 + clip].")
+    kl_coef: float = Field(0.04, ge=0, description="Weight of the KL penalty to the base model (adapter off).")
+    process_coef: float = Field(0.5, ge=0, description="Weight of each step's own process reward (normalised "
+                                "within the group) beside the trajectory's advantage.")
+    eval_every: int = Field(5, gt=0, description="Steps between validations (each saves a checkpoint).")
+    validation_tasks: int = Field(0, ge=0, description="Validation tasks per validation, spread over the split "
+                                  "(0: all of it).")
+    rollback_margin: float = Field(0.05, ge=0, description="A validation success or valid-call rate this far "
+                                   "below the best checkpoint's rolls the adapter back to it.")
+    max_rollbacks: int = Field(3, ge=0, description="Rollbacks before the run stops.")
+    alarm_reward_rise: float = Field(0.05, ge=0, description="Reward-hacking alarm: a rise in mean training "
+                                     "reward since the last validation of more than this ...")
+    alarm_drop: float = Field(0.05, ge=0, description="... while validation valid-call rate or success fell "
+                              "by more than this stops the run.")
+
+
 class TrainingSettings(_Section):
     base_model: str = Field(DEFAULT_MODEL_NAME, description="The served base model adapters are trained for.")
     model_path: str | None = Field(None, description="Weights to train on: a GGUF or checkpoint folder; default "
@@ -242,6 +274,7 @@ class TrainingSettings(_Section):
     eval_max_tokens: int = Field(160, gt=0, description="Most tokens the model may write per step in an evaluation "
                                  "episode.")
     gate: GateSettings = Field(default_factory=GateSettings)
+    rl: RLSettings = Field(default_factory=RLSettings)
 
 
 class Settings(_Section):

@@ -9,6 +9,7 @@ and a ``verifier`` feedback row ``task_success`` (1 or 0), which the reward engi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 
@@ -17,8 +18,8 @@ from gateway.agent.recording import StoreRecorder
 from gateway.config import Settings
 from replay.importer import Conversation, ImportResult, build_op
 from replay.store import TrajectoryStore, WriteOp
-from training.evaluate import Evaluator
-from training.metrics import metrics_of
+from training.evaluate import Evaluator, RecorderFor, spread
+from training.metrics import Episode, metrics_of
 from training.tasks import Task, get_suite
 
 
@@ -28,6 +29,36 @@ class CaptureResult:
     attempts: int = 0
     attempts_succeeded: int = 0
     metrics: dict[str, float | None] = field(default_factory=dict)
+
+
+def store_recorder(store: TrajectoryStore, base_model: str, source: str) -> RecorderFor:
+    """Records each episode into ``store`` as the gateway records an agent run, with ``source``."""
+
+    async def recorder_for(task: Task, profile: Profile, state: RunState) -> StoreRecorder:
+        recorder = StoreRecorder(store, profile=profile, backend=f"local:{base_model}", source=source)
+        await recorder.start(state)
+        return recorder
+
+    return recorder_for
+
+
+async def label_episodes(store: TrajectoryStore, suite: str, tasks: list[Task], split: str, episodes: list[Episode], *,
+                         groups: dict[str, str] | None = None, metadata: dict[str, Any] | None = None) -> None:
+    """Give each recorded episode its task id, group id (``groups``: task id -> group), metadata and the verifier's
+    ``task_success`` feedback, in one transaction."""
+    by_id = {t.id: t for t in tasks}
+    statements = []
+    for episode in episodes:
+        task = by_id[episode.task_id]
+        extra = {"suite": suite, "split": split, "family": task.family, **(metadata or {})}
+        if task.fault is not None:
+            extra["fault"] = {"tool": task.fault.tool, "kind": task.fault.kind, "call": task.fault.call}
+        statements.append(("UPDATE trajectories SET task_id = ?, group_id = COALESCE(?, group_id), metadata = ? "
+                           "WHERE id = ?", (episode.task_id, (groups or {}).get(episode.task_id),
+                                            orjson.dumps(extra).decode(), episode.run_id)))
+        statements.append(store.feedback_statement(episode.run_id, source="verifier", name="task_success",
+                                                   value=1.0 if episode.success else 0.0))
+    await store.write(WriteOp(statements=statements))
 
 
 async def capture(settings: Settings, suite_name: str, split: str, *, demos: bool = True, attempts: int = 1,
@@ -55,29 +86,14 @@ async def capture(settings: Settings, suite_name: str, split: str, *, demos: boo
             await store.write(op)
             result.demonstrations = len(conversations)
         if attempts:
-            backend_name = f"local:{settings.training.base_model}"
-
-            async def recorder_for(task: Task, profile: Profile, state: RunState) -> StoreRecorder:
-                recorder = StoreRecorder(store, profile=profile, backend=backend_name, source="agent")
-                await recorder.start(state)
-                return recorder
-
-            attempted = tasks if not sample or sample >= len(tasks) else \
-                [tasks[i * len(tasks) // sample] for i in range(sample)]
+            attempted = spread(tasks, sample or 0)
             async with Evaluator(settings.training) as evaluator:
                 episodes = []
                 for _ in range(attempts):
-                    episodes += await evaluator.episodes(suite, attempted, recorder_for=recorder_for,
-                                                         temperature=temperature, progress=f"attempts on {split}")
-            by_id = {t.id: t for t in tasks}
-            statements = []
-            for episode in episodes:
-                metadata = {"suite": suite.name, "split": split, "family": by_id[episode.task_id].family}
-                statements.append(("UPDATE trajectories SET task_id = ?, metadata = ? WHERE id = ?",
-                                   (episode.task_id, orjson.dumps(metadata).decode(), episode.run_id)))
-                statements.append(store.feedback_statement(episode.run_id, source="verifier", name="task_success",
-                                                           value=1.0 if episode.success else 0.0))
-            await store.write(WriteOp(statements=statements))
+                    episodes += await evaluator.episodes(
+                        suite, attempted, recorder_for=store_recorder(store, settings.training.base_model, "agent"),
+                        temperature=temperature, progress=f"attempts on {split}")
+            await label_episodes(store, suite.name, tasks, split, episodes)
             result.attempts = len(episodes)
             result.attempts_succeeded = sum(e.success for e in episodes)
             result.metrics = metrics_of(episodes)

@@ -152,21 +152,29 @@ def tasks_capture(suite: str | None = SuiteOption, split: str = typer.Option("tr
 
 @with_filters
 def replay_train_command(filters: Filters,
-                         mode: str = typer.Option("sft", "--mode", help="sft (rl and sft+rl come later)."),
+                         mode: str = typer.Option("sft", "--mode", help="sft, rl (group-relative RL on rollouts "
+                                                  "and captured groups) or sft+rl (RL from the SFT candidate)."),
+                         init: str | None = typer.Option(None, "--init", help="--mode rl: the adapter RL starts "
+                                                         "from (a folder, NAME@VERSION, or base for a fresh "
+                                                         "adapter); default the adapter's active version."),
                          name: str | None = typer.Option(None, "--name", help="Adapter name (default: the suite's)."),
                          publish: str | None = typer.Option(None, "--publish", help="A running gateway's URL: upload, "
                                                             "publish and promote the adapter there if it passes."),
                          config: str | None = ConfigOption) -> None:
     """Select, reward, build, train, pick a checkpoint on validation, gate on test, register, publish.
     Exits 0 when the candidate passed the gate, 1 when it was refused (it is still registered, as a candidate)."""
-    from training.replay_train import ReplayTrainError, replay_train
+    from training.replay_train import MODES, ReplayTrainError, replay_train
 
     settings = settings_or_exit(config)
     configure_logging("console", "warning")
-    if mode != "sft":
-        fail(f"--mode {mode!r} is not available; use sft", 2)
+    if mode not in MODES:
+        fail(f"--mode {mode!r} is not one of {', '.join(MODES)}", 2)
+    if init is not None and mode != "rl":
+        fail("--init applies to --mode rl only (sft+rl starts from its own SFT candidate)", 2)
+    start = init if init in (None, "base") else adapter_folder(settings, init)
     try:
-        outcome = asyncio.run(replay_train(settings, filters, name=name, publish=publish, console=console))
+        outcome = asyncio.run(replay_train(settings, filters, mode=mode, init=start, name=name, publish=publish,
+                                           console=console))
     except ReplayTrainError as exc:
         fail(str(exc))
     raise typer.Exit(0 if outcome.decision and outcome.decision.passed else 1)

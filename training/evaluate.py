@@ -79,6 +79,7 @@ class Evaluator:
             max_batch_size=max(settings.eval_concurrency, 1)))
         self._started = False
         self._adapters: dict[str, str] = {}  # folder -> the name it is loaded under
+        self._loads = 0
 
     async def __aenter__(self) -> Evaluator:
         await self.backend.start()
@@ -93,10 +94,17 @@ class Evaluator:
             return None
         folder = str(Path(adapter).resolve())
         if folder not in self._adapters:
-            name = f"eval-{len(self._adapters) + 1}"
+            self._loads += 1
+            name = f"eval-{self._loads}"
             await self.backend.load_adapter(name, folder)
             self._adapters[folder] = name
         return self._adapters[folder]
+
+    async def release(self, adapter: str | Path) -> None:
+        """Unload an adapter folder's weights (a folder rewritten since, or not needed again)."""
+        name = self._adapters.pop(str(Path(adapter).resolve()), None)
+        if name is not None:
+            await self.backend.unload_adapter(name)
 
     async def episodes(self, suite: Suite, tasks: list[Task], adapter: str | Path | None = None, *,
                        recorder_for: RecorderFor | None = None, temperature: float = 0.0,
@@ -137,16 +145,24 @@ class Evaluator:
 
     async def evaluate(self, suite_name: str, split: str, adapter: str | Path | None = None, *,
                        general: Callable[[str | Path | None], float] | None = None,
-                       label: str | None = None) -> Report:
-        """The report of one model (the base, or ``adapter``) on one split."""
+                       label: str | None = None, limit: int = 0) -> Report:
+        """The report of one model (the base, or ``adapter``) on one split (``limit`` > 0: that many of its tasks,
+        spread evenly over it, so every family is in)."""
         suite = get_suite(suite_name)
         started = time.perf_counter()
-        episodes = await self.episodes(suite, suite.tasks(split), adapter,
+        episodes = await self.episodes(suite, spread(suite.tasks(split), limit), adapter,
                                        progress=f"{label or adapter or 'base'} on {split}")
         metrics = metrics_of(episodes)
         metrics["general_perplexity"] = await asyncio.to_thread(general, adapter) if general else None
         return Report(model=label or (str(adapter) if adapter else "base"), suite=suite_name, split=split,
                       metrics=metrics, episodes=episodes, seconds=time.perf_counter() - started)
+
+
+def spread(tasks: list[Task], count: int) -> list[Task]:
+    """``count`` of ``tasks`` spread evenly over the list (all of them when ``count`` is 0 or more than there are)."""
+    if not count or count >= len(tasks):
+        return tasks
+    return [tasks[i * len(tasks) // count] for i in range(count)]
 
 
 def write_reports(reports: list[Report], out: Path, *, title: str) -> tuple[Path, Path]:

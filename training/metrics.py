@@ -55,6 +55,12 @@ def metrics_of(episodes: list[Episode]) -> dict[str, float | None]:
     }
 
 
+def rank(metrics: dict[str, float | None]) -> tuple[float, float, float]:
+    """How checkpoints are ordered on validation: success, then valid calls, then fewer invalid calls."""
+    return (metrics.get("success_rate") or 0.0, metrics.get("valid_call_rate") or 0.0,
+            -(metrics.get("invalid_call_rate") or 0.0))
+
+
 def format_value(name: str, value: float | None) -> str:
     if value is None:
         return "-"

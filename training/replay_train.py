@@ -38,14 +38,19 @@ from gateway.adapters.registry import AdapterRegistry, AdapterVersion
 from gateway.backends.local_model import load_tokenizer
 from gateway.config import Settings
 from replay.filters import Filters
-from replay.rewards import recompute
+from replay.rewards import recompute, signal_weights
 from replay.store import TrajectoryStore
 from training import data
-from training.evaluate import Evaluator, Report, write_reports
+from training.evaluate import Evaluator, write_reports
 from training.gate import Decision, decide
 from training.general import GeneralCheck
-from training.sft import SFTConfig, train_sft
+from training.metrics import rank
+from training.rl import Group, RLConfig, similar_batches, train_rl
+from training.rollouts import Rollouts, groups_from_store
+from training.sft import SFTConfig, load_base, train_sft
 from training.tasks import Suite, get_suite, test_only_markers
+
+MODES = ("sft", "rl", "sft+rl")
 
 
 class ReplayTrainError(Exception):
@@ -67,13 +72,13 @@ def leak_filter(suite: Suite) -> Callable[[str], bool]:
     return lambda text: any(n in text for n in needles)
 
 
-def _rank(report: Report) -> tuple[float, float, float]:
-    m = report.metrics
-    return (m.get("success_rate") or 0.0, m.get("valid_call_rate") or 0.0, -(m.get("invalid_call_rate") or 0.0))
-
-
-async def replay_train(settings: Settings, filters: Filters, *, name: str | None = None, publish: str | None = None,
+async def replay_train(settings: Settings, filters: Filters, *, mode: str = "sft", init: str | None = None,
+                       name: str | None = None, publish: str | None = None,
                        console: Console | None = None) -> Outcome:
+    """The whole pipeline (see the module doc). ``mode``: sft, rl or sft+rl; ``init``: the adapter folder RL starts
+    from in ``rl`` mode, or ``"base"`` for a fresh adapter (default: the adapter's active version, else fresh)."""
+    if mode not in MODES:
+        raise ReplayTrainError(f"unknown mode {mode!r}: one of {', '.join(MODES)}")
     console = console or Console()
     training = settings.training
     suite = get_suite(training.suite)
@@ -92,67 +97,71 @@ async def replay_train(settings: Settings, filters: Filters, *, name: str | None
     await store.start()
     try:
         selected = await store.select_ids(unbounded)
-        if not selected:
+        if not selected and (mode != "rl" or not training.rl.steps):
             raise ReplayTrainError("no trajectories match the filters; capture some first "
                                    "(harness tasks capture) or widen the filters")
         stage("select", f"{len(selected)} trajectories")
-        summary = await recompute(store, unbounded, settings.rewards,
-                                  step_limits={p.name: p.max_steps for p in settings.profiles})
-        mean = "-" if summary.mean_reward is None else f"{summary.mean_reward:.3f}"
-        stage("reward", f"{summary.count} scored, mean reward {mean}")
+        if selected:
+            summary = await recompute(store, unbounded, settings.rewards,
+                                      step_limits={p.name: p.max_steps for p in settings.profiles})
+            mean = "-" if summary.mean_reward is None else f"{summary.mean_reward:.3f}"
+            stage("reward", f"{summary.count} scored, mean reward {mean}")
     finally:
         await store.close()
 
-    # -- build ----------------------------------------------------------------------------------------------
-    tokenizer = await asyncio.to_thread(load_tokenizer, training.model_path)
-    task_rows, stats = await asyncio.to_thread(data.examples_from_store, settings.store.path, filters, tokenizer,
-                                               max_seq_len=training.max_seq_len, exclude=leak_filter(suite))
-    if not task_rows:
-        raise ReplayTrainError("the selected trajectories hold no model call to train on (with --min-reward, "
-                               "are any rewarded that high?)")
-    general = GeneralCheck(training)
-    general_rows = data.general_examples(tokenizer, await asyncio.to_thread(general.training_conversations),
-                                         training.max_seq_len)
-    rows = data.mix(task_rows, general_rows, min_recovered_share=training.min_recovered_share,
-                    general_share=training.general_share, seed=training.seed)
-    stage("build", f"{len(rows)} rows: {len(task_rows)} from trajectories ({stats.recovered} recovered, "
-                   f"{stats.excluded} dropped for test-split material), general share {training.general_share:.0%}")
-
-    # -- train ----------------------------------------------------------------------------------------------
-    result = await asyncio.to_thread(train_sft, training.model_path, rows, SFTConfig.from_settings(training),
-                                     run_dir)
-    result.model = None  # evaluation loads the checkpoints into its own backend; free the training copy first
-    stage("train", f"{len(result.checkpoints)} checkpoints, {result.tokens:,} tokens in {result.seconds:.0f} s "
-                   f"({result.tokens_per_second:,.0f} tokens/s)")
-
-    # -- validate, test, gate ---------------------------------------------------------------------------------
     registry = AdapterRegistry(settings.store.path)
     active = await asyncio.to_thread(registry.active, name)
-    reference = active.path if active else None
+    reference = Path(active.path) if active else None
     reference_label = active.backend_name if active else "base"
+    general = GeneralCheck(training)
     async with Evaluator(training) as evaluator:
-        validation = []
-        for checkpoint in result.checkpoints:
-            validation.append(await evaluator.evaluate(suite.name, "validation", checkpoint,
-                                                       label=checkpoint.name))
-        best = max(range(len(validation)), key=lambda i: _rank(validation[i]))
-        candidate = result.checkpoints[best]
-        stage("validate", ", ".join(f"{r.model}: success {r.metrics['success_rate']:.0%}" for r in validation)
-              + f" → {candidate.name}")
-        before = await evaluator.evaluate(suite.name, "test", reference, general=general.perplexity,
-                                          label=reference_label)
-        after = await evaluator.evaluate(suite.name, "test", candidate, general=general.perplexity,
-                                         label=f"{name} (candidate)")
+        before_rl: Path | None = None  # the adapter RL started from, when it deserves its own column
+        if "sft" in mode:
+            candidate, validation = await _sft(settings, filters, suite, general, evaluator,
+                                               run_dir / "sft" if "rl" in mode else run_dir, stage)
+            if "rl" in mode:
+                before_rl = candidate
+        else:
+            candidate = None if init == "base" else Path(init) if init else reference
+            validation = {}
+            if init:
+                before_rl = candidate
+        rl_summary: dict[str, Any] | None = None
+        if "rl" in mode:
+            start = candidate
+            candidate, validation, rl_summary = await _rl(settings, selected, start, evaluator, run_dir, stage)
+            if candidate == start:
+                before_rl = None  # RL kept what it started from: one column says it all
+
+        # -- test and gate ------------------------------------------------------------------------------------
+        reports = [await evaluator.evaluate(suite.name, "test", reference, general=general.perplexity,
+                                            label=reference_label)]
+        if before_rl is not None and before_rl != reference:
+            reports.append(await evaluator.evaluate(suite.name, "test", before_rl, general=general.perplexity,
+                                                    label="before RL"))
+        if candidate != reference:
+            reports.append(await evaluator.evaluate(suite.name, "test", candidate, general=general.perplexity,
+                                                    label=f"{name} (candidate)"))
+    before, after = reports[0], reports[-1]
+    if candidate is None or candidate == reference:
+        raise ReplayTrainError("nothing new to register: RL found no checkpoint better on validation than the "
+                               "adapter it started from, which is the one serving now")
     decision = decide(after.metrics, before.metrics, training.gate)
     outcome.decision = decision
-    write_reports([before, after], run_dir, title=f"{suite.name} / test: before and after")
+    write_reports(reports, run_dir, title=f"{suite.name} / test: before and after")
     stage("test", "gate passed" if decision.passed else
           "gate refused: " + ", ".join(f"{c.metric} {c.reference:.3g} → {c.candidate}" for c in decision.failures()))
 
     # -- register and publish ------------------------------------------------------------------------------------
-    metrics: dict[str, Any] = {"test": after.metrics, "reference": {"model": reference_label, **before.metrics},
-                               "validation": validation[best].metrics, "gate": decision.as_dict(),
-                               "run_dir": str(run_dir), "checkpoint": candidate.name}
+    metrics: dict[str, Any] = {"mode": mode, "test": after.metrics,
+                               "reference": {"model": reference_label, **before.metrics},
+                               "validation": validation, "gate": decision.as_dict(), "run_dir": str(run_dir),
+                               "checkpoint": str(candidate.relative_to(run_dir)) if candidate.is_relative_to(run_dir)
+                               else str(candidate)}
+    if len(reports) == 3:
+        metrics["before_rl"] = {"model": reports[1].model, **reports[1].metrics}
+    if rl_summary is not None:
+        metrics["rl"] = rl_summary
     if publish and decision.passed:
         # The running gateway's registry is the one that matters: the version is registered there, with its numbers.
         card = await asyncio.to_thread(_publish, publish, name, training.base_model, candidate, metrics)
@@ -170,8 +179,100 @@ async def replay_train(settings: Settings, filters: Filters, *, name: str | None
 
     from training.cli import print_reports
 
-    print_reports([before, after], f"{suite.name} / test: before and after")
+    print_reports(reports, f"{suite.name} / test: before and after")
     return outcome
+
+
+Stage = Callable[[str, str], None]
+
+
+async def _sft(settings: Settings, filters: Filters, suite: Suite, general: GeneralCheck, evaluator: Evaluator,
+               out: Path, stage: Stage) -> tuple[Path, dict[str, Any]]:
+    """Build, train (into ``out``) and validate: the best SFT checkpoint and its validation metrics."""
+    training = settings.training
+    tokenizer = await asyncio.to_thread(load_tokenizer, training.model_path)
+    task_rows, stats = await asyncio.to_thread(data.examples_from_store, settings.store.path, filters, tokenizer,
+                                               max_seq_len=training.max_seq_len, exclude=leak_filter(suite))
+    if not task_rows:
+        raise ReplayTrainError("the selected trajectories hold no model call to train on (with --min-reward, "
+                               "are any rewarded that high?)")
+    general_rows = data.general_examples(tokenizer, await asyncio.to_thread(general.training_conversations),
+                                         training.max_seq_len)
+    rows = data.mix(task_rows, general_rows, min_recovered_share=training.min_recovered_share,
+                    general_share=training.general_share, seed=training.seed)
+    stage("build", f"{len(rows)} rows: {len(task_rows)} from trajectories ({stats.recovered} recovered, "
+                   f"{stats.excluded} dropped for test-split material), general share {training.general_share:.0%}")
+
+    result = await asyncio.to_thread(train_sft, training.model_path, rows, SFTConfig.from_settings(training), out)
+    result.model = None  # the evaluator has its own copy of the base; free the training one
+    stage("train", f"{len(result.checkpoints)} checkpoints, {result.tokens:,} tokens in {result.seconds:.0f} s "
+                   f"({result.tokens_per_second:,.0f} tokens/s)")
+    validation = [await evaluator.evaluate(suite.name, "validation", checkpoint, label=checkpoint.name)
+                  for checkpoint in result.checkpoints]
+    best = max(range(len(validation)), key=lambda i: rank(validation[i].metrics))
+    stage("validate", ", ".join(f"{r.model}: success {r.metrics['success_rate']:.0%}" for r in validation)
+          + f" → {result.checkpoints[best].name}")
+    return result.checkpoints[best], validation[best].metrics
+
+
+async def _rl(settings: Settings, selected: list[str], start: Path | None, evaluator: Evaluator, run_dir: Path,
+              stage: Stage) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    """Captured groups first, then online rollouts: the best checkpoint on validation, its metrics, a summary."""
+    training, rl = settings.training, settings.training.rl
+    suite = get_suite(training.suite)
+    test_tasks = {t.id for t in suite.tasks("test")}
+    loop = asyncio.get_running_loop()
+    store = TrajectoryStore(settings.store.path, synchronous=settings.store.synchronous)
+    await store.start()
+    try:
+        captured, stats = await groups_from_store(
+            store, selected, signal_weights(settings.rewards), base_model=training.base_model,
+            step_limits={p.name: p.max_steps for p in settings.profiles})
+        captured = [g for g in captured if g.task_id not in test_tasks]
+        stage("groups", stats.describe())
+        batches = similar_batches(captured, rl.tasks_per_step, training.seed)
+        steps = len(batches) + rl.steps
+        if not steps:
+            raise ReplayTrainError("RL has nothing to train on: the selected trajectories form no group with "
+                                   "captured log-probabilities, and [training.rl] steps is 0")
+        rollouts = Rollouts(settings, evaluator, store, run=run_dir.name)
+
+        def next_batch(step: int, policy: Path) -> list[Group]:
+            if step <= len(batches):
+                return batches[step - 1]
+            return asyncio.run_coroutine_threadsafe(rollouts.collect(step, policy), loop).result()
+
+        async def validation(folder: Path) -> dict[str, Any]:
+            report = await evaluator.evaluate(suite.name, "validation", folder, limit=rl.validation_tasks,
+                                              label=folder.name)
+            await evaluator.release(folder)
+            return report.metrics
+
+        def validate(folder: Path) -> dict[str, Any]:
+            return asyncio.run_coroutine_threadsafe(validation(folder), loop).result()
+
+        loaded = await asyncio.to_thread(load_base, training.model_path)
+        result = await asyncio.to_thread(train_rl, loaded, RLConfig.from_settings(training), run_dir / "rl",
+                                         steps=steps, batches=next_batch, validate=validate, init_adapter=start)
+        result.model = None
+        del loaded
+    finally:
+        await store.close()
+    best = next(v for v in result.validations if v["checkpoint"] == str(result.best))
+    stage("rl", f"{len(result.history)} steps ({len(batches)} on captured groups), {result.groups} groups "
+                f"({result.flat_groups} without reward spread), {rollouts.episodes} rollouts in "
+                f"{rollouts.seconds:.0f} s, "
+                f"{result.tokens:,} tokens in {result.seconds:.0f} s ({result.tokens_per_second:,.0f} tokens/s), "
+                f"{result.rollbacks} rollbacks" + (f", stopped: {result.stopped}" if result.stopped else "")
+                + f" → {result.best.name}")
+    summary = {"steps": len(result.history), "captured_steps": len(batches), "best_step": result.best_step,
+               "stopped": result.stopped, "rollbacks": result.rollbacks, "groups": result.groups,
+               "flat_groups": result.flat_groups, "rollouts": rollouts.episodes,
+               "validations": [{k: v[k] for k in ("step", "metrics", "action", "reward_rise")}
+                               for v in result.validations]}
+    # Checkpoint 0 is the starting adapter saved again: the start itself is the candidate then.
+    candidate = result.best if result.best_step or start is None else start
+    return candidate, best["metrics"], summary
 
 
 def _publish(url: str, name: str, base: str, folder: Path, metrics: dict[str, Any]) -> dict[str, Any]:

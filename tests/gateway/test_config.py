@@ -72,6 +72,7 @@ def test_every_setting_is_documented() -> None:
         GateSettings,
         ProfileSettings,
         RewardSettings,
+        RLSettings,
         RoutingSettings,
         ServerSettings,
         StoreSettings,
@@ -81,7 +82,7 @@ def test_every_setting_is_documented() -> None:
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     for model in (ServerSettings, StoreSettings, BackendSettings, ToolsSettings, ProfileSettings, RewardSettings,
-                  RoutingSettings, TrainingSettings, GateSettings):
+                  RoutingSettings, TrainingSettings, GateSettings, RLSettings):
         for name, field in model.model_fields.items():
             if not field.exclude:
                 assert f"| `{name}` |" in doc, f"{model.__name__}.{name} is missing from docs/configuration.md"

@@ -47,8 +47,15 @@ def test_usage_errors_are_clear(env: dict[str, str], tmp_path: Path) -> None:
     assert result.exit_code == 2 and "--split must be one of" in result.output
     result = runner.invoke(app, ["replay-train", "--mode", "sft", "--source", "demo"], env=env)
     assert result.exit_code == 1 and "no trajectories match" in result.output
-    result = runner.invoke(app, ["replay-train", "--mode", "rl"], env=env)
-    assert result.exit_code == 2 and "not available" in result.output
+    result = runner.invoke(app, ["replay-train", "--mode", "ppo"], env=env)
+    assert result.exit_code == 2 and "not one of sft, rl, sft+rl" in result.output
+    result = runner.invoke(app, ["replay-train", "--mode", "sft+rl", "--init", "base"], env=env)
+    assert result.exit_code == 2 and "--init applies to --mode rl only" in result.output
+    result = runner.invoke(app, ["replay-train", "--mode", "rl", "--init", "nope@3"], env=env)
+    assert result.exit_code == 2 and "neither 'base'" in result.output
+    result = runner.invoke(app, ["replay-train", "--mode", "rl", "--source", "proxy"],
+                           env={**env, "HARNESS_TRAINING__RL__STEPS": "0"})
+    assert result.exit_code == 1 and "no trajectories match" in result.output
 
 
 def test_tasks_list_names_each_task(env: dict[str, str]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 from pathlib import Path
 
 import httpx
@@ -150,3 +151,55 @@ def test_the_gate_refuses_a_degraded_adapter_and_accepts_a_trained_one(settings:
     accepted = decide(good, base, training.gate)
     assert accepted.passed, accepted.failures()
     assert good["general_perplexity"] < base["general_perplexity"] < bad["general_perplexity"]
+
+
+def _rl_settings(settings: Settings, **rl: object) -> Settings:
+    return settings.model_copy(update={"training": settings.training.model_copy(update={
+        "rl": settings.training.rl.model_copy(update={"tasks_per_step": 2, "group_size": 2, "eval_every": 1,
+                                                      "validation_tasks": 3, "batch_size": 4, **rl})})})
+
+
+def test_rl_mode_rolls_out_trains_validates_gates_and_registers(settings: Settings) -> None:
+    settings = _rl_settings(settings, steps=2)
+    outcome = asyncio.run(replay_train(settings, Filters(source="rollout"), mode="rl", console=Console(quiet=True)))
+    assert outcome.decision is not None and outcome.registered is not None
+    stored = AdapterRegistry(settings.store.path).get("tools", 1).metrics
+    rl = stored["rl"]
+    assert stored["mode"] == "rl" and rl["steps"] == 2 and rl["captured_steps"] == 0 and rl["rollouts"] == 8
+    assert [v["step"] for v in rl["validations"]] == [0, 1, 2]
+    assert rl["groups"] == 4 and 0 <= rl["flat_groups"] <= 4
+    run = outcome.run_dir
+    for name in ("rl/rl.png", "rl/metrics.jsonl", "rl/checkpoint-0/adapter_config.json", "eval.json", "eval.png"):
+        assert (run / name).stat().st_size > 0, name
+    lines = [json.loads(line) for line in (run / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 1, 2]
+    assert all(line["samples"] > 0 and "kl" in line and "clip_fraction" in line for line in lines[1:])
+    with sqlite3.connect(settings.store.path) as conn:
+        groups = conn.execute("SELECT group_id, COUNT(*) FROM trajectories WHERE source = 'rollout' "
+                              "GROUP BY group_id").fetchall()
+    assert len(groups) == 4 and all(n == 2 for _, n in groups)
+
+    # A second run with no online steps trains on those captured groups alone, from the first run's adapter.
+    again = asyncio.run(replay_train(_rl_settings(settings, steps=0), Filters(source="rollout"), mode="rl",
+                                     init=str(outcome.registered.path), name="again", console=Console(quiet=True)))
+    assert again.registered is not None
+    rl = AdapterRegistry(settings.store.path).get("again", 1).metrics["rl"]
+    assert rl["captured_steps"] == 2 and rl["steps"] == 2 and rl["rollouts"] == 0 and rl["groups"] == 4
+
+
+def test_sft_then_rl_starts_from_the_sft_candidate(settings: Settings) -> None:
+    asyncio.run(capture(settings, "tools", "train", attempts=0))
+    settings = _rl_settings(settings, steps=1)
+    outcome = asyncio.run(replay_train(settings, Filters(source="demo"), mode="sft+rl", console=Console(quiet=True)))
+    assert outcome.registered is not None
+    stored = AdapterRegistry(settings.store.path).get("tools", 1).metrics
+    assert stored["mode"] == "sft+rl" and stored["rl"]["steps"] == 1
+    run = outcome.run_dir
+    assert (run / "sft" / "loss.png").is_file() and (run / "rl" / "rl.png").is_file()
+    reports = orjson.loads((run / "eval.json").read_bytes())
+    if stored["rl"]["best_step"]:
+        assert [r["model"] for r in reports] == ["base", "before RL", "tools (candidate)"]
+        assert stored["before_rl"]["model"] == "before RL"
+    else:  # RL kept the SFT candidate: it is the candidate itself
+        assert [r["model"] for r in reports] == ["base", "tools (candidate)"]
+        assert stored["checkpoint"].startswith("sft/checkpoint-")

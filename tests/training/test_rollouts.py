@@ -1,0 +1,108 @@
+"""Where RL groups come from: task picking, fault injection, and rollouts through the agent loop into a real store,
+read back with the exact log-probabilities the policy gave its tokens (tiny random Llama)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sqlite3
+from pathlib import Path
+
+import pytest
+import torch
+
+from gateway.backends.local_model import load_model
+from gateway.config import Settings
+from replay.store import TrajectoryStore
+from tests.models import random_lora
+from training.evaluate import Evaluator
+from training.metrics import Episode
+from training.rl import collate, token_logprobs
+from training.rollouts import Rollouts, TaskPicker, with_fault
+from training.tasks import get_suite
+from training.tasks.base import FAULT_KINDS
+
+
+def _episode(task_id: str, success: bool) -> Episode:
+    return Episode(task_id=task_id, family="f", success=success, steps=1, tool_calls=0, invalid_calls=0,
+                   needs_tools=True, faulted=False, status="completed", termination_reason=None, final="",
+                   run_id="r")
+
+
+def test_the_picker_chooses_tasks_of_similar_difficulty() -> None:
+    tasks = get_suite("tools").tasks("train")[:40]
+    picker = TaskPicker(tasks, seed=0)
+    easy, hard = tasks[:20], tasks[20:]
+    picker.observe([_episode(t.id, True) for t in easy for _ in range(4)])
+    picker.observe([_episode(t.id, False) for t in hard for _ in range(4)])
+    assert picker.difficulty(easy[0]) == pytest.approx(1 / 6) and picker.difficulty(hard[0]) == pytest.approx(5 / 6)
+    kinds = set()
+    for _ in range(20):
+        chosen = picker.pick(8)
+        assert len({t.id for t in chosen}) == 8
+        ids = {t.id for t in chosen}
+        assert ids <= {t.id for t in easy} or ids <= {t.id for t in hard}  # never a mix
+        kinds.add(ids <= {t.id for t in easy})
+    assert kinds == {True, False}  # both kinds get their turn
+
+
+def test_faults_are_injected_at_the_configured_rate_into_tasks_with_tools() -> None:
+    suite = get_suite("tools")
+    tasks = [t for t in suite.tasks("train") if t.fault is None]
+    rng = random.Random(0)
+    drawn = [with_fault(t, rng, 0.25) for t in tasks * 10]
+    faulted = [t for t in drawn if t.fault is not None]
+    assert 0.2 < len(faulted) / len([t for t in drawn if t.tools]) < 0.3
+    assert {t.fault.kind for t in faulted} == set(FAULT_KINDS)
+    assert all(t.fault.tool in t.tools for t in faulted)
+    assert all(with_fault(t, rng, 1.0).fault is None for t in tasks if not t.tools)
+    assert all(with_fault(t, rng, 0.0) is t for t in tasks)
+
+
+@pytest.mark.integration
+def test_rollouts_are_recorded_grouped_scored_and_carry_the_policys_own_logprobs(tmp_path: Path,
+                                                                              tiny_model_dir: Path) -> None:
+    settings = Settings.model_validate({
+        "store": {"path": str(tmp_path / "harness.db")},
+        "training": {"model_path": str(tiny_model_dir), "eval_max_tokens": 6, "eval_concurrency": 8,
+                     "rl": {"tasks_per_step": 3, "group_size": 3, "temperature": 1.0, "fault_rate": 1.0}},
+    })
+    policy = random_lora(tiny_model_dir, tmp_path / "policy", seed=5)
+
+    async def run() -> list:
+        store = TrajectoryStore(settings.store.path)
+        await store.start()
+        try:
+            async with Evaluator(settings.training) as evaluator:
+                rollouts = Rollouts(settings, evaluator, store, run="test-run")
+                groups = await rollouts.collect(1, policy)
+                assert not await evaluator.backend.loaded_adapters()  # released for the trainer to rewrite
+                return groups
+        finally:
+            await store.close()
+
+    groups = asyncio.run(run())
+    assert len(groups) == 3 and all(len(g.trajectories) == 3 for g in groups)
+    with sqlite3.connect(settings.store.path) as conn:
+        rows = conn.execute("SELECT source, group_id, task_id, final_reward, metadata FROM trajectories").fetchall()
+        verdicts = conn.execute("SELECT COUNT(*) FROM feedback WHERE source = 'verifier' "
+                                "AND name = 'task_success'").fetchone()[0]
+    assert len(rows) == 9 and verdicts == 9
+    assert {r[0] for r in rows} == {"rollout"}
+    assert {r[1] for r in rows} == {g.key for g in groups}
+    assert all(r[3] is not None for r in rows)
+    assert all('"rl_run":"test-run"' in r[4] for r in rows)
+    faulted = sum('"fault"' in r[4] for r in rows)
+    assert faulted == 3 * sum(bool(get_suite("tools").task(g.task_id).tools) for g in groups)
+
+    # The captured log-probabilities are the policy's own (temperature 1), token for token.
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(load_model(str(tiny_model_dir)).model, str(policy))
+    samples = [s for g in groups for s in g.samples()]
+    assert samples and all(s.completion_ids for s in samples)
+    batch = collate(samples, pad_id=0)
+    with torch.no_grad():
+        now = token_logprobs(model, batch)
+    gap = ((now - batch.old_logprobs).abs() * batch.mask).max()
+    assert float(gap) < 1e-3

@@ -1,0 +1,532 @@
+"""Group-relative reinforcement learning on a LoRA adapter (GRPO, or RLOO): the RL part of replay-train.
+
+A *group* is the sibling trajectories of one task: the ``n`` samples of one captured request, or the rollouts of
+one task through the agent loop (``training/rollouts.py``). Each model call of a trajectory is one *sample*: the
+exact prompt ids the model saw, the completion ids it wrote and their log-probabilities under the policy that
+wrote them, all as captured (never re-tokenised text). One step:
+
+1. Advantages. Each trajectory's reward (the reward engine's total) against its group: GRPO
+   ``(r - mean) / (std + eps)`` (sample std), RLOO ``r - mean of the others``. A group whose rewards are all equal
+   has no spread: its outcome advantages are 0; it is counted (``flat_groups``), not hidden. To that,
+   ``process_coef`` times the step's own process reward (the weighted per-step signals, e.g. validity and the
+   illegal-action penalty, normalised over all the group's scored steps) is added, so the step that earned a
+   reward gets the credit. Every completion token of a step carries its step's advantage.
+2. Loss per completion token: ``-min(ρA, clip(ρ, 1 - ε, 1 + ε)A) + β·KL`` where ``ρ = exp(log π - log π_rollout)``
+   against the captured log-probabilities and KL is the ``k3`` estimator ``exp(q - p) - (q - p) - 1`` against the
+   reference: the same model with the adapter switched off (the base). The batch's loss is the mean over all its
+   completion tokens (micro-batches weighted by their token share).
+3. AdamW on the LoRA parameters, gradients clipped to norm 1; ``updates_per_batch`` optimizer steps per batch.
+
+Every ``eval_every`` steps (and before the first) the adapter is saved as ``checkpoint-<step>/`` and validated.
+The best checkpoint (success, then valid calls, then fewer invalid calls) is kept. A validation success or
+valid-call rate more than ``rollback_margin`` below the best's rolls the adapter back to the best (optimizer state
+reset); after ``max_rollbacks`` the run stops. The reward-hacking alarm stops the run when the mean training
+reward since the last validation rose by more than ``alarm_reward_rise`` over the interval before while the
+validation valid-call rate or success fell by more than ``alarm_drop``. The result is the best checkpoint.
+
+Log-probabilities are of the model at temperature 1 on both sides (the local backend captures them so), whatever
+temperature sampled the tokens. CUDA runs with bf16 autocast over float32 weights; CPU in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import structlog
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from training.metrics import rank
+from training.sft import SFTConfig, seed_everything, smooth, wrap_lora
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+    from gateway.backends.local_model import LoadedModel
+    from gateway.config import TrainingSettings
+
+log = structlog.get_logger()
+
+EPS = 1e-4  # added to a group's reward std, as in the GRPO paper's reference implementation
+
+
+@dataclass
+class Sample:
+    """One model call of a trajectory, as the policy that wrote it saw and scored it."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]  # of completion_ids under the rollout policy (temperature 1), as captured
+    seq: int  # the model call's seq in its trajectory
+    advantage: float = 0.0
+
+    def __post_init__(self) -> None:
+        if len(self.logprobs) != len(self.completion_ids):
+            raise ValueError(f"{len(self.logprobs)} log-probabilities for {len(self.completion_ids)} tokens")
+
+
+@dataclass
+class Trajectory:
+    id: str
+    reward: float
+    samples: list[Sample]
+    step_rewards: dict[int, float] = field(default_factory=dict)  # model call seq -> process reward
+    success: float | None = None
+
+
+@dataclass
+class Group:
+    key: str  # the group id (or the task id of several attempts at one task)
+    trajectories: list[Trajectory]
+    task_id: str | None = None
+
+    @property
+    def flat(self) -> bool:
+        """No reward spread: every outcome advantage is 0."""
+        return len({t.reward for t in self.trajectories}) <= 1
+
+    @property
+    def difficulty(self) -> float:
+        """1 - the group's mean verified success; 0.5 where no trajectory's success is known."""
+        known = [t.success for t in self.trajectories if t.success is not None]
+        return 1.0 - sum(known) / len(known) if known else 0.5
+
+    def samples(self) -> list[Sample]:
+        return [s for t in self.trajectories for s in t.samples]
+
+
+# -- advantages ------------------------------------------------------------------------------------------
+
+
+def group_advantages(rewards: Sequence[float], algorithm: Literal["grpo", "rloo"] = "grpo") -> list[float]:
+    """Each reward against its group: GRPO normalises by the group's mean and sample std, RLOO subtracts the mean of
+    the others. A group of one, or without spread, has advantages 0."""
+    n = len(rewards)
+    if len(set(rewards)) <= 1:  # exactly: a mean in floating point would leave crumbs of 1e-12
+        return [0.0] * n
+    total = math.fsum(rewards)
+    if algorithm == "rloo":
+        return [r - (total - r) / (n - 1) for r in rewards]
+    if algorithm != "grpo":
+        raise ValueError(f"unknown algorithm {algorithm!r}: grpo or rloo")
+    mean = total / n
+    std = math.sqrt(math.fsum((r - mean) ** 2 for r in rewards) / (n - 1))
+    return [(r - mean) / (std + EPS) for r in rewards]
+
+
+def process_advantages(group: Group) -> dict[tuple[str, int], float]:
+    """Each scored step's process reward, normalised over all the group's scored steps: (trajectory, seq) -> value."""
+    steps = [((t.id, seq), value) for t in group.trajectories for seq, value in t.step_rewards.items()]
+    values = [v for _, v in steps]
+    if len(values) < 2:
+        return {}
+    mean = math.fsum(values) / len(values)
+    std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (len(values) - 1))
+    if len(set(values)) <= 1:
+        return {}
+    return {key: (value - mean) / (std + EPS) for key, value in steps}
+
+
+def assign_advantages(groups: Sequence[Group], algorithm: Literal["grpo", "rloo"], process_coef: float) -> None:
+    """Set every sample's advantage: its trajectory's outcome advantage plus ``process_coef`` times its step's."""
+    for group in groups:
+        outcome = group_advantages([t.reward for t in group.trajectories], algorithm)
+        process = process_advantages(group) if process_coef else {}
+        for trajectory, advantage in zip(group.trajectories, outcome, strict=True):
+            for sample in trajectory.samples:
+                sample.advantage = advantage + process_coef * process.get((trajectory.id, sample.seq), 0.0)
+
+
+def similar_batches(groups: Sequence[Group], size: int, seed: int) -> list[list[Group]]:
+    """Groups cut into batches of ``size`` after sorting by difficulty (shuffled first, so ties fall randomly);
+    the batches themselves in random order."""
+    rng = random.Random(seed)
+    order = list(groups)
+    rng.shuffle(order)
+    order.sort(key=lambda g: g.difficulty)
+    batches = [order[i:i + size] for i in range(0, len(order), size)]
+    rng.shuffle(batches)
+    return batches
+
+
+# -- batches and the loss ------------------------------------------------------------------------------------
+
+
+@dataclass
+class RLBatch:
+    """Left-padded samples: every completion ends at the last column, so only the last ``width + 1`` positions'
+    logits are needed (``logits_to_keep``)."""
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    position_ids: torch.Tensor  # [B, L]
+    targets: torch.Tensor  # [B, K]: the last K tokens, predicted by the kept logits
+    mask: torch.Tensor  # [B, K]: 1 on completion tokens
+    old_logprobs: torch.Tensor  # [B, K]
+    advantages: torch.Tensor  # [B, K]
+
+    @property
+    def width(self) -> int:
+        return self.targets.shape[1]
+
+    def to(self, device: torch.device | str) -> RLBatch:
+        return RLBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.position_ids, self.targets,
+                                                 self.mask, self.old_logprobs, self.advantages)))
+
+
+def collate(samples: Sequence[Sample], pad_id: int) -> RLBatch:
+    length = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    width = max(len(s.completion_ids) for s in samples)
+    b = len(samples)
+    ids = torch.full((b, length), pad_id, dtype=torch.long)
+    attention = torch.zeros((b, length), dtype=torch.long)
+    mask = torch.zeros((b, width))
+    old = torch.zeros((b, width))
+    advantages = torch.zeros((b, width))
+    for i, s in enumerate(samples):
+        row = s.prompt_ids + s.completion_ids
+        ids[i, length - len(row):] = torch.tensor(row)
+        attention[i, length - len(row):] = 1
+        c = len(s.completion_ids)
+        mask[i, width - c:] = 1
+        old[i, width - c:] = torch.tensor(s.logprobs)
+        advantages[i, width - c:] = s.advantage
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    return RLBatch(ids, attention, positions, ids[:, length - width:], mask, old, advantages)
+
+
+def token_logprobs(model: torch.nn.Module, batch: RLBatch) -> torch.Tensor:
+    """log p(target token | the tokens before it) for the batch's last ``width`` positions: [B, K]."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                   logits_to_keep=batch.width + 1).logits[:, :-1]
+    return -F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), reduction="none").view_as(
+        batch.old_logprobs)
+
+
+@torch.no_grad()
+def reference_logprobs(model: PeftModel, batch: RLBatch) -> torch.Tensor:
+    """The same log-probabilities under the base model: the adapter switched off."""
+    with model.disable_adapter():
+        return token_logprobs(model, batch)
+
+
+@dataclass
+class LossParts:
+    loss: torch.Tensor  # summed over the batch's completion tokens
+    tokens: int
+    kl: float  # summed
+    ratio: float  # summed
+    clipped: int  # tokens whose ratio was outside the clip range on the side that matters
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+                advantages: torch.Tensor, mask: torch.Tensor, *, clip: float, kl_coef: float) -> LossParts:
+    """The clipped surrogate plus the KL penalty, summed over the tokens ``mask`` marks (see the module doc)."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip, 1 + clip) * advantages
+    surrogate = torch.minimum(unclipped, clipped)
+    delta = ref_logprobs - logprobs
+    kl = torch.exp(delta) - delta - 1
+    per_token = -(surrogate - kl_coef * kl)
+    return LossParts(loss=(per_token * mask).sum(), tokens=int(mask.sum()), kl=float((kl.detach() * mask).sum()),
+                     ratio=float((ratio.detach() * mask).sum()), clipped=int(((clipped < unclipped) * mask).sum()))
+
+
+def update(model: PeftModel, samples: Sequence[Sample], optimizer: torch.optim.Optimizer, *, pad_id: int,
+           batch_size: int, clip: float, kl_coef: float, max_grad_norm: float = 1.0) -> dict[str, float]:
+    """One optimizer step on ``samples``: the mean loss over all their completion tokens."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    device = params[0].device
+    total = sum(len(s.completion_ids) for s in samples)
+    # Micro-batches of similar length: little padding.
+    ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
+    sums = {"loss": 0.0, "kl": 0.0, "ratio": 0.0, "clipped": 0.0, "tokens": 0.0}
+    started = time.perf_counter()
+    seen = 0
+    for start in range(0, len(ordered), batch_size):
+        batch = collate(ordered[start:start + batch_size], pad_id).to(device)
+        seen += int(batch.attention_mask.sum())
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            reference = reference_logprobs(model, batch)
+            logprobs = token_logprobs(model, batch)
+        parts = policy_loss(logprobs, batch.old_logprobs, reference, batch.advantages, batch.mask, clip=clip,
+                            kl_coef=kl_coef)
+        (parts.loss / total).backward()
+        sums["loss"] += float(parts.loss.detach()) / total
+        sums["kl"] += parts.kl
+        sums["ratio"] += parts.ratio
+        sums["clipped"] += parts.clipped
+        sums["tokens"] += parts.tokens
+        del logprobs, reference, parts
+    torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    seconds = time.perf_counter() - started
+    return {"loss": sums["loss"], "kl": sums["kl"] / total, "ratio": sums["ratio"] / total,
+            "clip_fraction": sums["clipped"] / total, "completion_tokens": total, "tokens": seen,
+            "seconds": seconds, "tokens_per_second": seen / seconds if seconds else 0.0}
+
+
+# -- the run ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RLConfig:
+    """What one RL run does; ``from_settings`` reads ``[training]`` (the LoRA shape) and ``[training.rl]``."""
+
+    lora: SFTConfig = field(default_factory=SFTConfig)  # the adapter's shape when it starts fresh
+    algorithm: Literal["grpo", "rloo"] = "grpo"
+    learning_rate: float = 5e-5
+    batch_size: int = 4
+    updates_per_batch: int = 1
+    clip: float = 0.2
+    kl_coef: float = 0.04
+    process_coef: float = 0.5
+    eval_every: int = 5
+    rollback_margin: float = 0.05
+    max_rollbacks: int = 3
+    alarm_reward_rise: float = 0.05
+    alarm_drop: float = 0.05
+    max_seq_len: int = 1024
+    seed: int = 0
+    max_grad_norm: float = 1.0
+
+    @classmethod
+    def from_settings(cls, training: TrainingSettings, **overrides: Any) -> RLConfig:
+        rl = training.rl
+        fields = dict(lora=SFTConfig.from_settings(training), algorithm=rl.algorithm,
+                      learning_rate=rl.learning_rate, batch_size=rl.batch_size,
+                      updates_per_batch=rl.updates_per_batch, clip=rl.clip, kl_coef=rl.kl_coef,
+                      process_coef=rl.process_coef, eval_every=rl.eval_every, rollback_margin=rl.rollback_margin,
+                      max_rollbacks=rl.max_rollbacks, alarm_reward_rise=rl.alarm_reward_rise,
+                      alarm_drop=rl.alarm_drop, max_seq_len=training.max_seq_len, seed=training.seed)
+        return cls(**{**fields, **overrides})
+
+
+# (step, the current policy's adapter folder) -> that step's groups; rollouts use the folder, captured data not.
+BatchSource = Callable[[int, Path], list[Group]]
+# An adapter folder -> its validation metrics (success_rate, valid_call_rate, invalid_call_rate, ...).
+Validate = Callable[[Path], dict[str, Any]]
+
+
+@dataclass
+class RLResult:
+    best: Path  # the best checkpoint on validation: the run's candidate
+    best_step: int
+    checkpoints: list[Path]
+    history: list[dict[str, Any]]  # one line per step (metrics.jsonl), validations included
+    validations: list[dict[str, Any]]  # step, metrics, action (best | kept | rollback | alarm | stop)
+    stopped: str | None = None  # why the run ended early: "reward_hacking" or "rollbacks"
+    rollbacks: int = 0
+    groups: int = 0
+    flat_groups: int = 0  # groups without reward spread (trained on their process rewards alone)
+    skipped_samples: int = 0  # model calls longer than max_seq_len
+    tokens: int = 0
+    seconds: float = 0.0  # the updates alone
+    tokens_per_second: float = 0.0
+    model: PeftModel | None = field(default=None, repr=False)
+
+
+def train_rl(loaded: LoadedModel, config: RLConfig, out_dir: Path, *, steps: int, batches: BatchSource,
+             validate: Validate, init_adapter: Path | None = None) -> RLResult:
+    """Run ``steps`` RL steps on the groups ``batches`` gives; checkpoints, ``metrics.jsonl`` and ``rl.png`` go
+    under ``out_dir``. The adapter starts from ``init_adapter`` (e.g. an SFT checkpoint), else fresh."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    seed_everything(config.seed)
+    tokenizer = loaded.tokenizer
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = _policy(loaded, config, init_adapter).to(device)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def new_optimizer() -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
+
+    optimizer = new_optimizer()
+    metrics_path = out_dir / "metrics.jsonl"
+    metrics_path.unlink(missing_ok=True)
+    log.info("rl.start", steps=steps, algorithm=config.algorithm, device=device.type, out_dir=str(out_dir),
+             init_adapter=str(init_adapter) if init_adapter else None)
+
+    watch = _Watch(config)
+    first = _save(model, out_dir / "checkpoint-0")
+    result = RLResult(best=first, best_step=0, checkpoints=[first], history=[], validations=[], model=model)
+    watch.judge(0, first, validate(first), result)
+    _append(metrics_path, {"step": 0, "validation": result.validations[-1]})
+
+    bar = tqdm(total=steps, desc="rl", unit="step", disable=not sys.stderr.isatty())
+    for step in range(1, steps + 1):
+        policy = _save(model, out_dir / "policy")
+        groups = batches(step, policy)
+        samples, skipped = _fitting([s for g in groups for s in g.samples()], config.max_seq_len)
+        result.skipped_samples += skipped
+        assign_advantages(groups, config.algorithm, config.process_coef)
+        rewards = [t.reward for g in groups for t in g.trajectories]
+        line: dict[str, Any] = {"step": step, "groups": len(groups), "flat_groups": sum(g.flat for g in groups),
+                                "trajectories": len(rewards), "samples": len(samples),
+                                "reward": sum(rewards) / len(rewards) if rewards else None}
+        result.groups += len(groups)
+        result.flat_groups += line["flat_groups"]
+        if samples:
+            for _ in range(config.updates_per_batch):
+                stats = update(model, samples, optimizer, pad_id=pad_id, batch_size=config.batch_size,
+                               clip=config.clip, kl_coef=config.kl_coef, max_grad_norm=config.max_grad_norm)
+                result.tokens += int(stats["tokens"])
+                result.seconds += stats["seconds"]
+            line.update(stats)
+        watch.rewards.append(line["reward"])
+        if step % config.eval_every == 0 or step == steps:
+            checkpoint = _save(model, out_dir / f"checkpoint-{step}")
+            result.checkpoints.append(checkpoint)
+            action = watch.judge(step, checkpoint, validate(checkpoint), result)
+            line["validation"] = result.validations[-1]
+            if action == "rollback":
+                _restore(model, result.best)
+                optimizer = new_optimizer()
+        result.history.append(line)
+        _append(metrics_path, line)
+        log.info("rl.step", **{k: v for k, v in line.items() if k != "validation"})
+        bar.update(1)
+        bar.set_postfix(reward=f"{line['reward']:.3f}" if line["reward"] is not None else "-",
+                        kl=f"{line.get('kl', 0.0):.4f}")
+        if result.stopped:
+            break
+    bar.close()
+    result.tokens_per_second = result.tokens / result.seconds if result.seconds else 0.0
+    plot_rl(result, out_dir / "rl.png")
+    log.info("rl.done", best=str(result.best), best_step=result.best_step, stopped=result.stopped,
+             rollbacks=result.rollbacks, groups=result.groups, flat_groups=result.flat_groups,
+             tokens_per_second=round(result.tokens_per_second, 1))
+    return result
+
+
+class _Watch:
+    """Validation's verdicts: a new best, a rollback to the best, or the reward-hacking alarm."""
+
+    def __init__(self, config: RLConfig) -> None:
+        self.config = config
+        self.rewards: list[float | None] = []  # mean training reward of each step
+        self.previous: dict[str, Any] | None = None  # the last validation's metrics
+        self.best: dict[str, Any] | None = None
+        self.window_start = 0  # first step (index into rewards) since the last validation
+        self.previous_window: float | None = None
+
+    def judge(self, step: int, checkpoint: Path, metrics: dict[str, Any], result: RLResult) -> str:
+        c = self.config
+        window = [r for r in self.rewards[self.window_start:] if r is not None]
+        mean = sum(window) / len(window) if window else None
+        # The first interval is compared with its own first step: the rewards of the starting policy.
+        before = self.previous_window if self.previous_window is not None else (window[0] if window else None)
+        rise = mean - before if mean is not None and before is not None else None
+        action = "kept"
+        if self.best is None or rank(metrics) > rank(self.best):
+            action = "best"
+        if self.previous is not None and rise is not None and rise > c.alarm_reward_rise and \
+                _drop(self.previous, metrics) > c.alarm_drop:
+            action = "alarm"
+            result.stopped = "reward_hacking"
+            log.warning("rl.reward_hacking_alarm", step=step, reward_rise=rise, validation=metrics,
+                        previous=self.previous)
+        elif self.best is not None and _drop(self.best, metrics) > c.rollback_margin:
+            action = "rollback"
+            result.rollbacks += 1
+            log.warning("rl.rollback", step=step, to=str(result.best), validation=metrics, best=self.best)
+            if result.rollbacks > c.max_rollbacks:
+                action = "stop"
+                result.stopped = "rollbacks"
+        if action == "best":
+            self.best, result.best, result.best_step = metrics, checkpoint, step
+        result.validations.append({"step": step, "metrics": metrics, "action": action, "reward_rise": rise,
+                                   "checkpoint": str(checkpoint)})
+        self.previous = metrics
+        if window:
+            self.previous_window = mean
+        self.window_start = len(self.rewards)
+        return action
+
+
+def _drop(before: dict[str, Any], after: dict[str, Any]) -> float:
+    """The larger fall in success or valid-call rate from ``before`` to ``after``."""
+    return max((before.get(m) or 0.0) - (after.get(m) or 0.0) for m in ("success_rate", "valid_call_rate"))
+
+
+def _policy(loaded: LoadedModel, config: RLConfig, init_adapter: Path | None) -> PeftModel:
+    if init_adapter is None:
+        return wrap_lora(loaded.model, config.lora)
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(loaded.model, str(init_adapter), is_trainable=True)
+    model.peft_config["default"].base_model_name_or_path = config.lora.base_model
+    return model
+
+
+def _fitting(samples: list[Sample], max_seq_len: int) -> tuple[list[Sample], int]:
+    """The samples that fit in ``max_seq_len`` whole (cutting a prompt would change what the policy saw)."""
+    kept = [s for s in samples if len(s.prompt_ids) + len(s.completion_ids) <= max_seq_len and s.completion_ids]
+    return kept, len(samples) - len(kept)
+
+
+def _save(model: PeftModel, folder: Path) -> Path:
+    model.save_pretrained(str(folder), save_embedding_layers=False)
+    return folder
+
+
+def _restore(model: PeftModel, folder: Path) -> None:
+    from peft import load_peft_weights, set_peft_model_state_dict
+
+    device = next(p.device for p in model.parameters() if p.requires_grad)
+    set_peft_model_state_dict(model, load_peft_weights(str(folder), device=str(device)))
+
+
+def _append(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps(record, default=str) + "\n")
+
+
+def plot_rl(result: RLResult, path: Path) -> None:
+    """Training reward, KL to the base and the validation metrics per step, as a PNG."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(13, 4), dpi=100)
+    FigureCanvasAgg(figure)
+    reward_axes, kl_axes, validation_axes = figure.subplots(1, 3)
+    steps = [h["step"] for h in result.history if h.get("reward") is not None]
+    rewards = [h["reward"] for h in result.history if h.get("reward") is not None]
+    reward_axes.plot(steps, rewards, alpha=0.4, label="mean reward")
+    if rewards:
+        reward_axes.plot(steps, smooth(rewards, 0.7), label="smoothed")
+    reward_axes.set_title("training reward")
+    reward_axes.legend(fontsize=8)
+    kl = [(h["step"], h["kl"]) for h in result.history if "kl" in h]
+    kl_axes.plot([s for s, _ in kl], [v for _, v in kl])
+    kl_axes.set_title("KL to the base model")
+    marks = {"rollback": "v", "alarm": "X", "stop": "X"}
+    for metric in ("success_rate", "valid_call_rate"):
+        points = [(v["step"], v["metrics"].get(metric) or 0.0) for v in result.validations]
+        validation_axes.plot([s for s, _ in points], [v for _, v in points], marker="o", label=metric)
+    for v in result.validations:
+        if v["action"] in marks:
+            validation_axes.axvline(v["step"], color="red", alpha=0.3)
+            validation_axes.plot([v["step"]], [v["metrics"].get("success_rate") or 0.0], marks[v["action"]],
+                                 color="red", label=v["action"])
+    validation_axes.set_ylim(0, 1)
+    validation_axes.set_title("validation")
+    validation_axes.legend(fontsize=8)
+    for axes in (reward_axes, kl_axes, validation_axes):
+        axes.set_xlabel("step")
+        axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path)

@@ -1,0 +1,190 @@
+"""Where RL groups come from: trajectories already in the store, and fresh rollouts through the agent loop.
+
+``groups_from_store`` reads trajectories back as ``training.rl.Group``s: siblings share a group id (the ``n``
+samples of one request), else a task id (several attempts at one task). Each model call becomes a sample from
+its captured prompt ids, completion ids and log-probabilities; a call recorded without them (another backend, an
+import) cannot be trained on exactly and is left out, as is a trajectory of another base model; a trajectory
+without siblings gives no comparison. All of these are counted (``GroupStats``). Rewards are the reward engine's
+(``[rewards]``), scored afresh; each step's process reward is the weighted sum of the signals that credit steps.
+
+``Rollouts`` makes new groups: each step it picks tasks of similar difficulty from the suite's train split
+(``TaskPicker``), injects a tool fault into some of them (``fault_rate``), runs ``group_size`` episodes of each
+through the agent loop with the current policy, sampled at ``temperature``, records them in the store (source
+``rollout``, one group id per task), has the verifier and the reward engine score them, and reads them back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from gateway.config import Settings
+from replay.rewards import IN_FLIGHT, load_view, result_statements, score, signal_weights
+from replay.store import TrajectoryStore, WriteOp, new_id
+from training.capture import label_episodes, store_recorder
+from training.evaluate import Evaluator
+from training.metrics import Episode
+from training.rl import Group, Sample, Trajectory
+from training.tasks import Fault, Task, get_suite
+from training.tasks.base import FAULT_KINDS
+
+log = structlog.get_logger()
+
+
+@dataclass
+class GroupStats:
+    trajectories: int = 0  # read
+    groups: int = 0  # made (two or more trajectories each)
+    without_siblings: int = 0  # trajectories alone in their group (or in none)
+    without_logprobs: int = 0  # trajectories with no model call captured with token ids and log-probabilities
+    other_model: int = 0  # trajectories of another base model
+    unscored: int = 0  # in flight, or no reward signal known
+
+    def describe(self) -> str:
+        return (f"{self.groups} groups from {self.trajectories} trajectories ({self.without_siblings} without "
+                f"siblings, {self.without_logprobs} without captured log-probabilities, {self.other_model} of "
+                f"another model, {self.unscored} unscored)")
+
+
+async def groups_from_store(store: TrajectoryStore, ids: list[str], rewards: Mapping[str, float], *, base_model: str,
+                            step_limits: Mapping[str, int] | None = None,
+                            save_rewards: bool = False) -> tuple[list[Group], GroupStats]:
+    """The groups the trajectories ``ids`` form (see the module doc); ``save_rewards`` also stores their scores."""
+    stats = GroupStats()
+    members: dict[str, list[Trajectory]] = {}
+    task_of: dict[str, str | None] = {}
+    statements = []
+    for tid in ids:
+        stats.trajectories += 1
+        view = await load_view(store, tid, step_limits=step_limits)
+        if view is None or view.status in IN_FLIGHT:
+            stats.unscored += 1
+            continue
+        result = score(view, rewards)
+        if save_rewards:
+            statements += result_statements(result)
+        stored = await store.get_trajectory(tid, all_tenants=True)
+        assert stored is not None
+        if result.total is None:
+            stats.unscored += 1
+            continue
+        if stored["base_model"] not in (None, base_model):
+            stats.other_model += 1
+            continue
+        samples = [Sample(c["prompt_token_ids"], c["completion_token_ids"][0], c["completion_logprobs"][0], c["seq"])
+                   for c in stored["calls"]
+                   if c["status"] == "ok" and c["request"].get("purpose", "step") != "summary"
+                   and c["prompt_token_ids"] and c["completion_token_ids"] and c["completion_logprobs"]]
+        if not samples:
+            stats.without_logprobs += 1
+            continue
+        step_rewards: dict[int, float] = {}
+        for signal, per_step in result.per_step.items():
+            for seq, value in per_step.items():
+                step_rewards[seq] = step_rewards.get(seq, 0.0) + result.weights.get(signal, 0.0) * value
+        key = stored["group_id"] or stored["task_id"]
+        if key is None:
+            stats.without_siblings += 1
+            continue
+        members.setdefault(key, []).append(Trajectory(id=tid, reward=result.total, samples=samples,
+                                                      step_rewards=step_rewards,
+                                                      success=result.signals.get("task_success")))
+        task_of[key] = stored["task_id"]
+    if statements:
+        await store.write(WriteOp(statements=statements))
+    groups = []
+    for key, trajectories in members.items():
+        if len(trajectories) < 2:
+            stats.without_siblings += len(trajectories)
+        else:
+            groups.append(Group(key=key, trajectories=trajectories, task_id=task_of[key]))
+    stats.groups = len(groups)
+    return groups, stats
+
+
+class TaskPicker:
+    """Each step's tasks: a random pivot and the tasks whose estimated difficulty is nearest its own.
+
+    A task's difficulty is its smoothed failure rate over the rollouts seen so far, ``1 - (successes + 1) /
+    (attempts + 2)``: 0.5 before any, so the first steps pick at random.
+    """
+
+    def __init__(self, tasks: list[Task], seed: int) -> None:
+        self.tasks = list(tasks)
+        self.rng = random.Random(seed)
+        self.seen = {t.id: [0, 0] for t in tasks}  # successes, attempts
+
+    def difficulty(self, task: Task) -> float:
+        successes, attempts = self.seen[task.id]
+        return 1.0 - (successes + 1) / (attempts + 2)
+
+    def pick(self, count: int) -> list[Task]:
+        pivot = self.difficulty(self.rng.choice(self.tasks))
+        order = list(self.tasks)
+        self.rng.shuffle(order)  # ties fall at random
+        order.sort(key=lambda t: abs(self.difficulty(t) - pivot))
+        return order[:count]
+
+    def observe(self, episodes: list[Episode]) -> None:
+        for e in episodes:
+            if e.task_id in self.seen:
+                self.seen[e.task_id][0] += int(e.success)
+                self.seen[e.task_id][1] += 1
+
+
+def with_fault(task: Task, rng: random.Random, rate: float) -> Task:
+    """``task``, or with probability ``rate`` the task with its first call to one of its tools failing (a timeout, an
+    empty result or an error). Tasks that already carry a fault keep it."""
+    if task.fault is not None or not task.tools or rng.random() >= rate:
+        return task
+    return dataclasses.replace(task, fault=Fault(tool=rng.choice(task.tools), kind=rng.choice(FAULT_KINDS)))
+
+
+class Rollouts:
+    """Online groups from the suite's train split (see the module doc); call ``collect`` once per step."""
+
+    def __init__(self, settings: Settings, evaluator: Evaluator, store: TrajectoryStore, *, run: str) -> None:
+        self.settings = settings
+        self.rl = settings.training.rl
+        self.evaluator = evaluator
+        self.store = store
+        self.run = run
+        self.suite = get_suite(settings.training.suite)
+        self.tasks = self.suite.tasks("train")
+        self.picker = TaskPicker(self.tasks, settings.training.seed)
+        self.rng = random.Random(settings.training.seed + 1)
+        self.weights = signal_weights(settings.rewards)
+        self.step_limits = {p.name: p.max_steps for p in settings.profiles}
+        self.stats = GroupStats()
+        self.episodes = 0
+        self.seconds = 0.0
+
+    async def collect(self, step: int, policy: Path | None) -> list[Group]:
+        started = time.perf_counter()
+        chosen = [with_fault(t, self.rng, self.rl.fault_rate) for t in self.picker.pick(self.rl.tasks_per_step)]
+        group_ids = {t.id: new_id() for t in chosen}
+        episodes = await self.evaluator.episodes(
+            self.suite, [t for t in chosen for _ in range(self.rl.group_size)], policy,
+            recorder_for=store_recorder(self.store, self.settings.training.base_model, "rollout"),
+            temperature=self.rl.temperature, progress=f"rollouts, step {step}")
+        if policy is not None:
+            await self.evaluator.release(policy)  # the trainer rewrites this folder before the next step
+        await label_episodes(self.store, self.suite.name, chosen, "train", episodes, groups=group_ids,
+                             metadata={"rl_run": self.run, "rl_step": step})
+        self.picker.observe(episodes)
+        groups, stats = await groups_from_store(
+            self.store, [e.run_id for e in episodes], self.weights, base_model=self.settings.training.base_model,
+            step_limits=self.step_limits, save_rewards=True)
+        for name, value in dataclasses.asdict(stats).items():
+            setattr(self.stats, name, getattr(self.stats, name) + value)
+        self.episodes += len(episodes)
+        self.seconds += time.perf_counter() - started
+        log.info("rl.rollouts", step=step, episodes=len(episodes), groups=len(groups),
+                 succeeded=sum(e.success for e in episodes), seconds=round(time.perf_counter() - started, 1))
+        return groups
