@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 import tempfile
 import time
@@ -37,9 +36,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import structlog  # noqa: E402
 import torch  # noqa: E402
 
+from bench import sections  # noqa: E402
 from gateway.backends.local_model import load_model, load_tokenizer  # noqa: E402
 from tests.models import tiny_llama  # noqa: E402
 from training.rl import Sample, collate, token_logprobs, update  # noqa: E402
@@ -147,19 +146,15 @@ def section_update(args: argparse.Namespace) -> None:
           "(the reference pass is the difference)")
 
 
-SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
+SECTIONS: dict[str, sections.Section] = {
     "rollouts": section_rollouts,
     "update": section_update,
 }
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--section", action="append", choices=sorted(SECTIONS),
-                        help="run only this section (repeatable; default: all)")
-    parser.add_argument("--model-path", help="a GGUF file or checkpoint folder (default: the embedded model)")
-    parser.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of the embedded model")
-    parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    parser = sections.parser(__doc__, SECTIONS)
+    sections.model_options(parser)
     rollouts = parser.add_argument_group("rollouts")
     rollouts.add_argument("--tasks", type=int, default=4, help="train tasks, one group each (default 4)")
     rollouts.add_argument("--group-size", type=int, default=4, help="episodes per task (default 4)")
@@ -178,9 +173,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     if args.tiny and not args.model_path:
         args.model_path = str(tiny_llama(Path(tempfile.mkdtemp(prefix="bench-tiny-")), load_tokenizer()))
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    for name in args.section or list(SECTIONS):
-        SECTIONS[name](args)
+    sections.run(args, SECTIONS)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 import tempfile
 import time
@@ -36,10 +35,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import structlog  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from bench import sections  # noqa: E402
 from bench.local_backend import PROMPTS  # noqa: E402
 from gateway.backends.base import ChatRequest  # noqa: E402
 from gateway.backends.local import LocalBackend  # noqa: E402
@@ -222,33 +221,25 @@ def section_routing(args: argparse.Namespace) -> None:
         print(f"{label:<32}{micros:>10.2f}{'' if label.startswith('dict') else ('yes' if micros < 100 else 'NO'):>8}")
 
 
-SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
+SECTIONS: dict[str, sections.Section] = {
     "routing": section_routing,
     "local-mixed": section_local_mixed,
 }
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--section", action="append", choices=sorted(SECTIONS),
-                        help="run only this section (repeatable; default: all)")
+    parser = sections.parser(__doc__, SECTIONS)
     parser.add_argument_group("routing").add_argument("--iterations", type=int, default=100_000,
                                                       help="routing calls per timing (default 100,000)")
     local = parser.add_argument_group("local-mixed")
-    local.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of the embedded model")
-    local.add_argument("--model-path", help="a GGUF file or checkpoint folder (default: the embedded model)")
+    sections.model_options(local)
     local.add_argument("--cache-dir")
-    local.add_argument("--threads", type=int)
     local.add_argument("--batch", type=int, default=8, help="requests sent together (default 8)")
     local.add_argument("--adapters", type=int, default=4, help="adapters in the mixed batch (default 4)")
     local.add_argument("--rank", type=int, default=8)
     local.add_argument("--max-tokens", type=int, default=32)
     local.add_argument("--repeats", type=int, default=2, help="runs per figure; the best is kept")
-    args = parser.parse_args(argv)
-    # The backend logs every admission; the tables are what this script is for.
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    for name in args.section or list(SECTIONS):
-        SECTIONS[name](args)
+    sections.run(parser.parse_args(argv), SECTIONS)
 
 
 if __name__ == "__main__":

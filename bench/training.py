@@ -26,20 +26,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import structlog  # noqa: E402
 import torch  # noqa: E402
 
+from bench import sections  # noqa: E402
 from gateway.backends.local_model import LoadedModel, load_model, load_tokenizer  # noqa: E402
 from tests.models import tiny_llama  # noqa: E402
 from training.data import IGNORE, Example, pad_batch  # noqa: E402
@@ -164,19 +162,15 @@ def section_eval(args: argparse.Namespace) -> None:
 
 
 # Sections run in this order.
-SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
+SECTIONS: dict[str, sections.Section] = {
     "sft": section_sft,
     "eval": section_eval,
 }
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--section", action="append", choices=sorted(SECTIONS),
-                        help="run only this section (repeatable; default: all)")
-    parser.add_argument("--model-path", help="a GGUF file or checkpoint folder (default: the embedded model)")
-    parser.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of the embedded model")
-    parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    parser = sections.parser(__doc__, SECTIONS)
+    sections.model_options(parser)
     sft = parser.add_argument_group("sft")
     sft.add_argument("--batch", type=int, default=4, help="rows per step (default 4)")
     sft.add_argument("--seq-len", type=int, default=256, help="tokens per row (default 256)")
@@ -187,11 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     evaluation = parser.add_argument_group("eval")
     evaluation.add_argument("--episodes", type=int, default=16, help="validation tasks run (default 16)")
     evaluation.add_argument("--concurrency", type=int, default=8, help="episodes at once (default 8)")
-    args = parser.parse_args(argv)
-    # Training logs every step here; the table is what this script is for.
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    for name in args.section or list(SECTIONS):
-        SECTIONS[name](args)
+    sections.run(parser.parse_args(argv), SECTIONS)
 
 
 if __name__ == "__main__":

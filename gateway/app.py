@@ -218,6 +218,8 @@ def build_app(settings: Settings) -> Starlette:
         Route("/v1/models/{model:path}", models.get_model, methods=["GET"], name="model"),
         Route("/v1/trajectories", trajectories.list_own, methods=["GET"], name="trajectories"),
         Route("/v1/trajectories/{trajectory_id}", trajectories.show_own, methods=["GET"], name="trajectory"),
+        Route("/v1/trajectories/{trajectory_id}/feedback", trajectories.feedback, methods=["POST"],
+              name="trajectory_feedback"),
         Route("/admin/adapters", adapters.list_adapters, methods=["GET"], name="admin_adapters"),
         Route("/admin/adapters", adapters.register, methods=["POST"], name="admin_adapters_register"),
         Route("/admin/adapters/{name}/{action}", adapters.lifecycle, methods=["POST"], name="admin_adapter_action"),

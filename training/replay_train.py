@@ -268,6 +268,7 @@ async def _rl(settings: Settings, selected: list[str], start: Path | None, evalu
     summary = {"steps": len(result.history), "captured_steps": len(batches), "best_step": result.best_step,
                "stopped": result.stopped, "rollbacks": result.rollbacks, "groups": result.groups,
                "flat_groups": result.flat_groups, "rollouts": rollouts.episodes,
+               "rollout_groups": dataclasses.asdict(rollouts.stats), "skipped_samples": result.skipped_samples,
                "validations": [{k: v[k] for k in ("step", "metrics", "action", "reward_rise")}
                                for v in result.validations]}
     # Checkpoint 0 is the starting adapter saved again: the start itself is the candidate then.

@@ -1,12 +1,19 @@
-"""Reading captured trajectories: a key sees its own tenant's; the admin key sees all."""
+"""Captured trajectories: a key reads its own tenant's (the admin key all of them) and gives them feedback."""
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.api.common import json_response
+from gateway.api.common import json_response, read_json_body
 from gateway.errors import APIError
+from replay.store import WriteOp
+
+FEEDBACK_FIELDS = {"rating", "score", "label", "comment", "model_call_seq"}
+FEEDBACK_LIMIT = 64 * 1024
 
 
 def _limit(request: Request) -> int:
@@ -51,3 +58,59 @@ async def _show(request: Request, *, tenant: str | None, all_tenants: bool) -> R
     if found is None:
         raise APIError(404, f"No trajectory '{tid}'.", code="not_found")
     return json_response(found)
+
+
+async def feedback(request: Request) -> Response:
+    """``POST /v1/trajectories/{id}/feedback``: a thumbs up or down (``rating``), or a ``score`` in [0, 1], with an
+    optional ``label`` and ``comment``, for the whole trajectory or one step (``model_call_seq``). Stored as a
+    feedback row of source ``user``: the reward engine's ``task_success`` where no verifier has spoken."""
+    gateway = request.app.state.gateway
+    principal = await gateway.auth.authenticate(request.headers)
+    body = await read_json_body(request, FEEDBACK_LIMIT)
+    row = feedback_row(body)
+    tid = request.path_params["trajectory_id"]
+    # Another tenant's trajectory is as absent as one that never was.
+    if await gateway.store.get_trajectory(tid, tenant=principal.tenant, all_tenants=principal.admin) is None:
+        raise APIError(404, f"No trajectory '{tid}'.", code="not_found")
+    await gateway.store.write(WriteOp(statements=[gateway.store.feedback_statement(tid, source="user", **row)]))
+    return json_response({"object": "trajectory.feedback", "trajectory_id": tid, "source": "user", **row}, 201)
+
+
+def feedback_row(body: Any) -> dict[str, Any]:
+    """The feedback row a request body asks for (name, value, label, comment, model_call_seq), or a 400."""
+    if not isinstance(body, dict):
+        raise APIError(400, "Feedback must be a JSON object.")
+    unknown = sorted(set(body) - FEEDBACK_FIELDS)
+    if unknown:
+        raise APIError(400, f"Unknown feedback field '{unknown[0]}'; expected some of "
+                            f"{', '.join(sorted(FEEDBACK_FIELDS))}.", param=unknown[0])
+    rating, score = body.get("rating"), body.get("score")
+    if rating is not None and score is not None:
+        raise APIError(400, "Give a 'rating' or a 'score', not both.", param="score")
+    row: dict[str, Any] = {"name": "label", "value": None, "label": None, "comment": None, "model_call_seq": None}
+    if rating is not None:
+        if rating not in ("up", "down"):
+            raise APIError(400, "'rating' must be \"up\" or \"down\".", param="rating")
+        row.update(name="thumbs", value=1.0 if rating == "up" else 0.0, label=rating)
+    if score is not None:
+        if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score) \
+                or not 0 <= score <= 1:
+            raise APIError(400, "'score' must be a number from 0 to 1.", param="score")
+        row.update(name="score", value=float(score))
+    for name in ("label", "comment"):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, str) or not value.strip() or len(value) > 4000):
+            raise APIError(400, f"'{name}' must be a non-empty string of at most 4000 characters.", param=name)
+    if body.get("label") is not None:
+        row["label"] = body["label"]
+    row["comment"] = body.get("comment")
+    if row["name"] == "label" and row["label"] is None:
+        row["name"] = "comment"
+    seq = body.get("model_call_seq")
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq < 0):
+        raise APIError(400, "'model_call_seq' must be a non-negative integer (a step of the trajectory).",
+                       param="model_call_seq")
+    row["model_call_seq"] = seq
+    if row["name"] == "comment" and row["comment"] is None:
+        raise APIError(400, "Feedback needs a 'rating', a 'score', a 'label' or a 'comment'.")
+    return row

@@ -109,3 +109,41 @@ def test_open_gateway_refuses_to_bind_beyond_loopback(tmp_path: Path) -> None:
     out = _harness(config, "serve")
     assert out.returncode == 2
     assert "refusing to bind 0.0.0.0" in out.stderr
+
+
+def test_feedback_goes_to_ones_own_trajectories_and_becomes_task_success(keyed) -> None:
+    gw, keys = keyed
+    acme = _chat(gw, keys["acme"][1], "acme question").headers["x-harness-trajectory-id"]
+    mine = {"Authorization": f"Bearer {keys['acme'][1]}"}
+    theirs = {"Authorization": f"Bearer {keys['globex'][1]}"}
+    url = f"{gw.url}/v1/trajectories/{acme}/feedback"
+
+    refused = httpx.post(url, headers=theirs, json={"rating": "up"})
+    assert refused.status_code == 404 and refused.json()["error"]["code"] == "not_found"
+    assert httpx.post(url, json={"rating": "up"}).status_code == 401
+    for body, param in (({"rating": "sideways"}, "rating"), ({"score": 1.5}, "score"),
+                        ({"rating": "up", "score": 1}, "score"), ({"stars": 5}, "stars"),
+                        ({"model_call_seq": -1, "rating": "up"}, "model_call_seq"), ({}, None)):
+        bad = httpx.post(url, headers=mine, json=body)
+        assert bad.status_code == 400, body
+        assert bad.json()["error"]["type"] == "invalid_request_error" and bad.json()["error"]["param"] == param
+    assert httpx.post(url, headers=mine, content=b"{not json").status_code == 400
+
+    given = httpx.post(url, headers=mine, json={"rating": "down", "comment": "wrong total"})
+    assert given.status_code == 201
+    assert given.json() | {"trajectory_id": acme} == {
+        "object": "trajectory.feedback", "trajectory_id": acme, "source": "user", "name": "thumbs", "value": 0.0,
+        "label": "down", "comment": "wrong total", "model_call_seq": None}
+    # The admin key may give feedback on any trajectory; the later verdict is the one that counts.
+    assert httpx.post(url, headers={"Authorization": f"Bearer {ADMIN}"}, json={"score": 0.9}).status_code == 201
+    with sqlite3.connect(gw.db) as conn:
+        rows = conn.execute("SELECT source, name, value, label, comment FROM feedback WHERE trajectory_id = ? "
+                            "ORDER BY created_at", (acme,)).fetchall()
+    assert rows == [("user", "thumbs", 0.0, "down", "wrong total"), ("user", "score", 0.9, None, None)]
+
+    out = _harness(gw.config, "replay", "rewards")
+    assert out.returncode == 0, out.stderr
+    with sqlite3.connect(gw.db) as conn:
+        success = conn.execute("SELECT value FROM feedback WHERE trajectory_id = ? AND source = 'reward_engine' "
+                               "AND name = 'task_success'", (acme,)).fetchone()
+    assert success == (0.9,)

@@ -50,7 +50,7 @@ async def write(store: TrajectoryStore, calls: list[tuple[list[dict[str, Any]], 
                 adapter: str | None = None, tools: list[dict[str, Any]] | None = None,
                 status: str | None = None, reason: str | None = None, reward: float | None = None,
                 task: str | None = None, group: str | None = None, created_at: float | None = None,
-                call_status: list[str] | None = None, token_ids: bool = True,
+                call_status: list[str] | None = None, token_ids: bool = True, logprobs: bool = False,
                 tool_rows: list[list[dict[str, Any]]] | None = None, metadata: str | None = None) -> str:
     """One trajectory: ``calls`` are (request messages, reply) in order. Returns its id."""
     tid = new_id()
@@ -66,6 +66,7 @@ async def write(store: TrajectoryStore, calls: list[tuple[list[dict[str, Any]], 
             error=None if st == "ok" else "upstream said no", prompt_tokens=10 * (seq + 1), completion_tokens=5,
             prompt_token_ids=list(range(seq, seq + 10)) if token_ids else None,
             completion_token_ids=[[100 + seq, 101 + seq]] if token_ids and reply else None,
+            completion_logprobs=[[-0.5, -0.25]] if logprobs and token_ids and reply else None,
             tool_calls=tool_rows[seq] if tool_rows else [], created_at=when))
     statements = [("UPDATE trajectories SET status = COALESCE(?, status), termination_reason = ?, final_reward = ?, "
                    "task_id = ?, metadata = ?, adapter = COALESCE(?, adapter) WHERE id = ?",

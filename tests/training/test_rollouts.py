@@ -12,13 +12,16 @@ import pytest
 import torch
 
 from gateway.backends.local_model import load_model
-from gateway.config import Settings
-from replay.store import TrajectoryStore
+from gateway.config import RewardSettings, Settings
+from replay.rewards import signal_weights
+from replay.store import TrajectoryStore, WriteOp
 from tests.models import random_lora
+from tests.replay import builders
+from tests.replay.builders import SYSTEM, TOOLS, answer, assistant_calls, tool_call, tool_result, tool_row
 from training.evaluate import Evaluator
 from training.metrics import Episode
 from training.rl import collate, token_logprobs
-from training.rollouts import Rollouts, TaskPicker, with_fault
+from training.rollouts import Rollouts, TaskPicker, groups_from_store, with_fault
 from training.tasks import get_suite
 from training.tasks.base import FAULT_KINDS
 
@@ -57,6 +60,41 @@ def test_faults_are_injected_at_the_configured_rate_into_tasks_with_tools() -> N
     assert all(t.fault.tool in t.tools for t in faulted)
     assert all(with_fault(t, rng, 1.0).fault is None for t in tasks if not t.tools)
     assert all(with_fault(t, rng, 0.0) is t for t in tasks)
+
+
+async def test_groups_from_the_store_count_what_they_cannot_use_and_credit_each_step(store: TrajectoryStore) -> None:
+    question = [SYSTEM, {"role": "user", "content": "What is 2 + 2?"}]
+    good = [(question, assistant_calls(tool_call("c1", "2+2"))),
+            ([*question, assistant_calls(tool_call("c1", "2+2")), tool_result("c1", "4")], answer("4"))]
+    bad = [(question, assistant_calls(tool_call("c1", "2+")))]
+    write = builders.write
+    solved = await write(store, good, group="g1", task="t1", status="completed", logprobs=True, tools=TOOLS,
+                         tool_rows=[[tool_row("c1", True)], []])
+    failed = await write(store, bad, group="g1", task="t1", status="completed", logprobs=True, tools=TOOLS,
+                         tool_rows=[[tool_row("c1", False)]])
+    other = await write(store, good, group="g1", model="another-model", logprobs=True)
+    alone = await write(store, good, group="g2", logprobs=True)
+    no_logprobs = await write(store, good, group="g3")
+    partner = await write(store, good, group="g3", logprobs=True)
+    await store.write(WriteOp(statements=[
+        store.feedback_statement(solved, source="verifier", name="task_success", value=1.0),
+        store.feedback_statement(failed, source="verifier", name="task_success", value=0.0)]))
+
+    weights = signal_weights(RewardSettings())
+    groups, stats = await groups_from_store(store, [solved, failed, other, alone, no_logprobs, partner], weights,
+                                            base_model="base-m")
+    assert (stats.trajectories, stats.groups, stats.other_model, stats.without_logprobs) == (6, 1, 1, 1)
+    assert stats.without_siblings == 2  # alone, and partner whose sibling had no log-probabilities
+    (group,) = groups
+    assert group.key == "g1" and group.task_id == "t1" and not group.flat
+    by_id = {t.id: t for t in group.trajectories}
+    assert by_id[solved].success == 1.0 and by_id[failed].success == 0.0
+    assert by_id[solved].reward > by_id[failed].reward
+    assert [s.seq for s in by_id[solved].samples] == [0, 1]
+    assert by_id[solved].samples[0].completion_ids == [100, 101] and by_id[solved].samples[0].logprobs == [-0.5, -0.25]
+    # The step with the valid call earns validity; the one with the invalid call pays the penalty.
+    assert by_id[solved].step_rewards[0] > 0 > by_id[failed].step_rewards[0]
+    assert 1 not in by_id[solved].step_rewards  # the answer called no tool: nothing to credit
 
 
 @pytest.mark.integration
@@ -106,3 +144,35 @@ def test_rollouts_are_recorded_grouped_scored_and_carry_the_policys_own_logprobs
         now = token_logprobs(model, batch)
     gap = ((now - batch.old_logprobs).abs() * batch.mask).max()
     assert float(gap) < 1e-3
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_on_the_embedded_model_the_captured_logprobs_are_what_training_computes(tmp_path: Path) -> None:
+    """The real model: rollouts through the batched backend score each token as the trainer's forward pass does,
+    so the first update's importance ratios are 1 and nothing is recomputed from text."""
+    from training.sft import SFTConfig, load_base, wrap_lora
+
+    loaded = load_base()
+    model = wrap_lora(loaded.model, SFTConfig())  # a fresh adapter: the policy is the base, through peft
+    model.save_pretrained(str(tmp_path / "policy"), save_embedding_layers=False)
+    settings = Settings.model_validate({
+        "store": {"path": str(tmp_path / "harness.db")},
+        "training": {"eval_max_tokens": 24, "eval_concurrency": 4,
+                     "rl": {"tasks_per_step": 2, "group_size": 2, "temperature": 1.0}}})
+
+    async def run() -> list:
+        store = TrajectoryStore(settings.store.path)
+        await store.start()
+        try:
+            async with Evaluator(settings.training) as evaluator:
+                return await Rollouts(settings, evaluator, store, run="real").collect(1, tmp_path / "policy")
+        finally:
+            await store.close()
+
+    samples = [s for g in asyncio.run(run()) for s in g.samples()]
+    assert len(samples) >= 4
+    batch = collate(samples, pad_id=loaded.tokenizer.pad_token_id)
+    with torch.no_grad():
+        now = token_logprobs(model, batch)
+    assert float(((now - batch.old_logprobs).abs() * batch.mask).max()) < 1e-3
