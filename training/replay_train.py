@@ -1,20 +1,23 @@
-"""``harness replay-train --mode sft``: the agent gets better from its own traffic, or nothing changes.
+"""``harness replay-train --mode sft|rl|sft+rl``: the agent gets better from its own traffic, or nothing changes.
 
-    select → reward → build → train → validate (pick the checkpoint) → test (gate) → register → publish
+    select → reward → [build → train → validate] → [RL] → test (gate) → register → publish
 
 1. select: the trajectories the replay filters name (without the reward bounds, which apply after step 2);
 2. reward: the reward engine scores them (``[rewards]``), so ``--min-reward`` sees fresh totals;
-3. build: one SFT row per model call of the selected trajectories, rendered exactly as the embedded backend
+3. build (sft): one SFT row per model call of the selected trajectories, rendered exactly as the embedded backend
    prompts; rows holding test-split material are dropped; recovered trajectories are repeated up to
    ``min_recovered_share`` and general rows mixed in at ``general_share``;
-4. train: LoRA SFT (``[training]``), ``checkpoints`` evenly spaced checkpoints;
-5. validate: every checkpoint on the suite's validation split; the best (success, then valid calls, then
+4. train (sft): LoRA SFT (``[training]``), ``checkpoints`` evenly spaced checkpoints;
+5. validate (sft): every checkpoint on the suite's validation split; the best (success, then valid calls, then
    fewer invalid calls) is the candidate;
-6. test: candidate and reference (the adapter's active version, else the base) on the test split, plus the
-   general check; the gate compares them;
-7. register: the candidate becomes a new version of the adapter in the store's registry, its numbers and the
+6. RL (rl, sft+rl; ``training/rl.py``): from the SFT candidate, or ``--init``, or the adapter's active version:
+   the selected trajectories' groups with captured log-probabilities first, then ``[training.rl] steps`` of
+   online rollouts; validation keeps the best checkpoint, rolls back, or stops the run on the reward-hacking alarm;
+7. test: candidate and reference (the adapter's active version, else the base), and what RL started from when that
+   is neither, on the test split, plus the general check; the gate compares candidate and reference;
+8. register: the candidate becomes a new version of the adapter in the store's registry, its numbers and the
    gate's decision stored with it; promoted if it passed;
-8. publish: with ``--publish URL``, a passing candidate is registered on that gateway instead (uploaded with
+9. publish: with ``--publish URL``, a passing candidate is registered on that gateway instead (uploaded with
    its numbers), published and promoted through its admin routes.
 """
 
