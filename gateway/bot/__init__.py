@@ -1,0 +1,1 @@
+"""Chat-bot backends: platforms' wire formats, pure (no I/O)."""
