@@ -175,6 +175,14 @@ MIGRATIONS: list[str] = [
     ALTER TABLE api_keys ADD COLUMN default_model TEXT;
     ALTER TABLE api_keys ADD COLUMN allow_model_override INTEGER NOT NULL DEFAULT 0;
     """,
+    # 6: nonces of signed bot requests already seen, so a replay is refused even after a restart.
+    """
+    CREATE TABLE bot_nonces (
+        nonce TEXT PRIMARY KEY,
+        seen_at REAL NOT NULL
+    ) WITHOUT ROWID;
+    CREATE INDEX bot_nonces_seen ON bot_nonces(seen_at);
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -715,6 +715,17 @@ class TrajectoryStore:
                 "FROM api_keys ORDER BY id") as cur:
             return [dict(r) for r in await cur.fetchall()]
 
+    async def claim_nonce(self, nonce: str, *, now: float, keep_seconds: float) -> bool:
+        """Record a signed request's nonce; False when it was seen within ``keep_seconds`` (a replay). Older nonces
+        are forgotten: their timestamps are outside any window a signature is accepted in."""
+        assert self._writer is not None
+        async with self._write_lock:
+            await self._writer.execute("DELETE FROM bot_nonces WHERE seen_at < ?", (now - keep_seconds,))
+            cur = await self._writer.execute("INSERT OR IGNORE INTO bot_nonces(nonce, seen_at) VALUES (?, ?)",
+                                             (nonce, now))
+            await self._writer.commit()
+            return cur.rowcount == 1
+
     async def revoke_key(self, key_id: str) -> bool:
         assert self._writer is not None
         async with self._write_lock:

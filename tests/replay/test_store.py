@@ -170,3 +170,22 @@ async def test_n_choices_form_a_group_of_trajectories(tmp_path: Path) -> None:
     assert third["calls"][0]["completion_token_ids"] == [[3, 3, 3]]
     assert tid != ref.id
     await store.close()
+
+
+async def test_a_nonce_is_claimed_once_even_across_a_restart(tmp_path: Path) -> None:
+    path = str(tmp_path / "nonces.db")
+    store = TrajectoryStore(path)
+    await store.start()
+    assert await store.claim_nonce("n1", now=1000.0, keep_seconds=600) is True
+    assert await store.claim_nonce("n1", now=1001.0, keep_seconds=600) is False
+    assert await store.claim_nonce("n2", now=1001.0, keep_seconds=600) is True
+    await store.close()
+
+    reopened = TrajectoryStore(path)
+    await reopened.start()
+    try:
+        assert await reopened.claim_nonce("n1", now=1200.0, keep_seconds=600) is False  # still a replay
+        # Past the keep window the nonce is forgotten: its timestamp could no longer pass the signature window.
+        assert await reopened.claim_nonce("n1", now=1700.0, keep_seconds=600) is True
+    finally:
+        await reopened.close()
