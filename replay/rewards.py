@@ -181,12 +181,14 @@ def _step_limit(trajectory: dict[str, Any], run: dict[str, Any] | None,
 
 
 async def load_view(store: TrajectoryStore, trajectory_id: str, *,
-                    step_limits: Mapping[str, int] | None = None) -> TrajectoryView | None:
+                    step_limits: Mapping[str, int] | None = None,
+                    trajectory: dict[str, Any] | None = None) -> TrajectoryView | None:
     """Everything signals see of one stored trajectory; None when there is no such trajectory.
 
-    ``step_limits`` maps agent profiles to their ``max_steps`` (from ``[[profiles]]``).
+    ``step_limits`` maps agent profiles to their ``max_steps`` (from ``[[profiles]]``); ``trajectory`` is the
+    trajectory as ``store.get_trajectory`` gives it, when the caller has already read it.
     """
-    t = await store.get_trajectory(trajectory_id, all_tenants=True)
+    t = trajectory if trajectory is not None else await store.get_trajectory(trajectory_id, all_tenants=True)
     if t is None:
         return None
     run = await store.agent_run(trajectory_id)

@@ -162,7 +162,8 @@ def replay_train_command(filters: Filters,
                                                             "publish and promote the adapter there if it passes."),
                          config: str | None = ConfigOption) -> None:
     """Select, reward, train (SFT, group-relative RL, or both), pick a checkpoint on validation, gate on test,
-    register, publish. Exits 0 when the candidate passed the gate, 1 when it was refused (it is still registered, as a candidate)."""
+    register, publish. Exits 0 when the candidate passed the gate, 1 when it was refused (it is still registered,
+    as a candidate)."""
     from training.replay_train import MODES, ReplayTrainError, replay_train
 
     settings = settings_or_exit(config)

@@ -118,37 +118,29 @@ async def replay_train(settings: Settings, filters: Filters, *, mode: str = "sft
     reference_label = active.backend_name if active else "base"
     general = GeneralCheck(training)
     async with Evaluator(training) as evaluator:
-        before_rl: Path | None = None  # the adapter RL started from, when it deserves its own column
         if "sft" in mode:
             candidate, validation = await _sft(settings, filters, suite, general, evaluator,
                                                run_dir / "sft" if "rl" in mode else run_dir, stage)
-            if "rl" in mode:
-                before_rl = candidate
         else:
             candidate = None if init == "base" else Path(init) if init else reference
             validation = {}
-            if init:
-                before_rl = candidate
+        start = candidate  # what RL starts from
         rl_summary: dict[str, Any] | None = None
         if "rl" in mode:
-            start = candidate
             candidate, validation, rl_summary = await _rl(settings, selected, start, evaluator, run_dir, stage)
-            if candidate == start:
-                before_rl = None  # RL kept what it started from: one column says it all
+        if candidate is None or candidate == reference:
+            raise ReplayTrainError("nothing new to register: RL found no checkpoint better on validation than the "
+                                   "adapter it started from, which is the one serving now")
 
         # -- test and gate ------------------------------------------------------------------------------------
-        reports = [await evaluator.evaluate(suite.name, "test", reference, general=general.perplexity,
-                                            label=reference_label)]
-        if before_rl is not None and before_rl != reference:
-            reports.append(await evaluator.evaluate(suite.name, "test", before_rl, general=general.perplexity,
-                                                    label="before RL"))
-        if candidate != reference:
-            reports.append(await evaluator.evaluate(suite.name, "test", candidate, general=general.perplexity,
-                                                    label=f"{name} (candidate)"))
+        # What RL started from gets its own column when it is neither the reference nor the candidate.
+        columns = [(reference, reference_label)]
+        if "rl" in mode and start not in (None, reference, candidate):
+            columns.append((start, "before RL"))
+        columns.append((candidate, f"{name} (candidate)"))
+        reports = [await evaluator.evaluate(suite.name, "test", model, general=general.perplexity, label=label)
+                   for model, label in columns]
     before, after = reports[0], reports[-1]
-    if candidate is None or candidate == reference:
-        raise ReplayTrainError("nothing new to register: RL found no checkpoint better on validation than the "
-                               "adapter it started from, which is the one serving now")
     decision = decide(after.metrics, before.metrics, training.gate)
     outcome.decision = decision
     write_reports(reports, run_dir, title=f"{suite.name} / test: before and after")

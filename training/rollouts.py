@@ -62,15 +62,14 @@ async def groups_from_store(store: TrajectoryStore, ids: list[str], rewards: Map
     statements = []
     for tid in ids:
         stats.trajectories += 1
-        view = await load_view(store, tid, step_limits=step_limits)
-        if view is None or view.status in IN_FLIGHT:
+        stored = await store.get_trajectory(tid, all_tenants=True)
+        view = None if stored is None else await load_view(store, tid, step_limits=step_limits, trajectory=stored)
+        if stored is None or view is None or view.status in IN_FLIGHT:
             stats.unscored += 1
             continue
         result = score(view, rewards)
         if save_rewards:
             statements += result_statements(result)
-        stored = await store.get_trajectory(tid, all_tenants=True)
-        assert stored is not None
         if result.total is None:
             stats.unscored += 1
             continue

@@ -10,7 +10,6 @@ from starlette.responses import Response
 
 from gateway.api.common import json_response, read_json_body
 from gateway.errors import APIError
-from replay.store import WriteOp
 
 FEEDBACK_FIELDS = {"rating", "score", "label", "comment", "model_call_seq"}
 FEEDBACK_LIMIT = 64 * 1024
@@ -72,7 +71,7 @@ async def feedback(request: Request) -> Response:
     # Another tenant's trajectory is as absent as one that never was.
     if await gateway.store.get_trajectory(tid, tenant=principal.tenant, all_tenants=principal.admin) is None:
         raise APIError(404, f"No trajectory '{tid}'.", code="not_found")
-    await gateway.store.write(WriteOp(statements=[gateway.store.feedback_statement(tid, source="user", **row)]))
+    await gateway.store.add_feedback(tid, source="user", **row)
     return json_response({"object": "trajectory.feedback", "trajectory_id": tid, "source": "user", **row}, 201)
 
 
