@@ -19,10 +19,13 @@ from gateway.adapters.manager import AdapterBackend, AdapterManager
 from gateway.adapters.registry import AdapterRegistry
 from gateway.adapters.service import AdapterService
 from gateway.agent.service import AgentService
-from gateway.api import adapters, agent, chat, health, models, responses, trajectories
+from gateway.api import adapters, agent, approvals, chat, health, models, responses, trajectories
 from gateway.auth import Authenticator
 from gateway.backends import build_backend
 from gateway.backends.base import Backend, serves_adapters
+from gateway.bot.service import BotService
+from gateway.bot.webhook import WebhookPlatform
+from gateway.bot.wecom import WeComPlatform
 from gateway.config import Settings
 from gateway.errors import APIError, error_response
 from gateway.metrics import Metrics
@@ -64,9 +67,16 @@ class Gateway:
         self.tool_context = ToolContext(settings.tools)
         self.agents = AgentService(profiles=settings.profiles, store=self.store,
                                    registry=default_registry(settings.tools), tool_context=self.tool_context,
-                                   backend_for=self.backend_for)
+                                   backend_for=self.backend_for,
+                                   spawn=lambda coro: self.spawn(coro, cancel_on_stop=True))
+        self.bot = BotService(settings.bot, self.agents, self.store, self.spawn)
+        self.bot.add(WebhookPlatform(settings.bot, self.bot))
+        wecom = WeComPlatform(settings.bot.wecom, self.bot, settings.bot.profile)
+        self.bot.add(wecom)
+        if wecom.enabled:
+            self.tool_context.messenger = wecom.message
 
-    def spawn(self, coro: Any, *, cancel_on_stop: bool = False) -> None:
+    def spawn(self, coro: Any, *, cancel_on_stop: bool = False) -> asyncio.Task[Any]:
         """Run work that outlives its request: a disconnected stream's record (finished before shutdown),
         or a background agent run (cancelled at shutdown, and so recorded as interrupted)."""
         task = asyncio.create_task(coro)
@@ -75,6 +85,7 @@ class Gateway:
         if cancel_on_stop:
             self.cancel_on_stop.add(task)
             task.add_done_callback(self.cancel_on_stop.discard)
+        return task
 
     def route(self, name: str, sticky: str | None = None) -> Target[Backend]:
         """Steps 4-5 of routing (the canary split, then the backend); an adapter target's backend is wrapped so
@@ -106,9 +117,11 @@ class Gateway:
             log.warning("agent.runs_interrupted", count=interrupted)
         for backend in self.backends:
             await backend.start()
+        await self.bot.recover()
         await self.adapter_manager.refresh(force=True)
         await self.adapter_manager.reconcile()
         self.spawn(self.adapter_manager.run(self.settings.routing.refresh_seconds), cancel_on_stop=True)
+        self.spawn(self._approvals_loop(self.settings.tools.approval_poll_seconds), cancel_on_stop=True)
         if self.settings.store.retention_days:
             self.spawn(self._retention_loop(self.settings.store.retention_days), cancel_on_stop=True)
         log.info("gateway.started", models=sorted(self.model_map), store=self.settings.store.path)
@@ -121,7 +134,16 @@ class Gateway:
         for backend in self.backends:
             await backend.aclose()
         await self.tool_context.aclose()
+        await self.bot.aclose()
         await self.store.close()
+
+    async def _approvals_loop(self, seconds: float) -> None:
+        while True:
+            try:
+                await self.agents.sweep()
+            except Exception:  # noqa: BLE001 - one failed sweep must not end the loop
+                log.exception("approvals.sweep_failed")
+            await asyncio.sleep(seconds)
 
     async def _retention_loop(self, days: float) -> None:
         while True:
@@ -226,6 +248,11 @@ def build_app(settings: Settings) -> Starlette:
         Route("/admin/trajectories", trajectories.list_all, methods=["GET"], name="admin_trajectories"),
         Route("/admin/trajectories/{trajectory_id}", trajectories.show_any, methods=["GET"],
               name="admin_trajectory"),
+        Route("/admin/approvals", approvals.list_approvals, methods=["GET"], name="admin_approvals"),
+        Route("/admin/approvals/{approval_id}", approvals.show, methods=["GET"], name="admin_approval"),
+        Route("/admin/approvals/{approval_id}/{action}", approvals.decide, methods=["POST"],
+              name="admin_approval_decide"),
+        *[route for platform in gateway.bot.platforms.values() for route in platform.routes()],
         Route("/healthz", health.healthz, methods=["GET"], name="healthz"),
         Route("/metrics", health.metrics, methods=["GET"], name="metrics"),
     ]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import sys
-from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -15,11 +14,11 @@ from rich.console import Console
 from rich.table import Table
 
 from gateway.adapters.cli import app as adapters_app
+from gateway.approvals_cli import app as approvals_app
 from gateway.auth import hash_secret, new_secret
-from gateway.cli_support import ConfigOption, settings_or_exit
-from gateway.config import ConfigError, Settings
+from gateway.cli_support import ConfigOption, settings_or_exit, with_store
+from gateway.config import ConfigError
 from replay.cli import app as replay_app
-from replay.store import TrajectoryStore
 from training.cli import register as register_training_commands
 
 T = TypeVar("T")
@@ -32,21 +31,10 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(traj_app, name="trajectories")
 app.add_typer(replay_app, name="replay")
 app.add_typer(adapters_app, name="adapters")
+app.add_typer(approvals_app, name="approvals")
 register_training_commands(app)
 
 console = Console()
-
-
-def _with_store(settings: Settings, fn: Callable[[TrajectoryStore], Awaitable[T]]) -> T:
-    async def run() -> T:
-        store = TrajectoryStore(settings.store.path, synchronous=settings.store.synchronous)
-        await store.start()
-        try:
-            return await fn(store)
-        finally:
-            await store.close()
-
-    return asyncio.run(run())
 
 
 def is_loopback(host: str) -> bool:
@@ -75,7 +63,7 @@ def serve(config: str | None = ConfigOption,
         settings.server.port = port
     configure_logging(settings.server.log_format, settings.server.log_level)
     if not is_loopback(settings.server.host):
-        key_count = _with_store(settings, lambda s: s.count_keys())
+        key_count = with_store(settings, lambda s: s.count_keys())
         if key_count == 0:
             typer.echo(f"error: refusing to bind {settings.server.host}: no API keys exist, so the gateway would "
                        "be open to anyone. Create one with 'harness keys create --tenant NAME' or bind 127.0.0.1.",
@@ -159,7 +147,7 @@ def keys_create(tenant: str = typer.Option(..., help="Tenant this key belongs to
     """Create a key; the secret is printed once and stored only as a hash."""
     settings = settings_or_exit(config)
     secret = new_secret()
-    key_id = _with_store(settings, lambda s: s.create_key(
+    key_id = with_store(settings, lambda s: s.create_key(
         tenant=tenant, name=name, capture=capture, secret_hash=hash_secret(secret), default_model=default_model,
         allow_model_override=allow_model_override))
     typer.echo(f"id:     {key_id}\ntenant: {tenant}\nkey:    {secret}\n(the key is shown only now)")
@@ -169,7 +157,7 @@ def keys_create(tenant: str = typer.Option(..., help="Tenant this key belongs to
 def keys_list(config: str | None = ConfigOption,
               as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """List keys (never their secrets)."""
-    rows = _with_store(settings_or_exit(config), lambda s: s.list_keys())
+    rows = with_store(settings_or_exit(config), lambda s: s.list_keys())
     if as_json:
         typer.echo(orjson.dumps(rows).decode())
         return
@@ -184,7 +172,7 @@ def keys_list(config: str | None = ConfigOption,
 @keys_app.command("revoke")
 def keys_revoke(key_id: str, config: str | None = ConfigOption) -> None:
     """Revoke a key by id."""
-    if not _with_store(settings_or_exit(config), lambda s: s.revoke_key(key_id)):
+    if not with_store(settings_or_exit(config), lambda s: s.revoke_key(key_id)):
         typer.echo(f"error: no active key with id {key_id}", err=True)
         raise typer.Exit(1)
     typer.echo(f"revoked {key_id}")
@@ -200,7 +188,7 @@ def trajectories_list(config: str | None = ConfigOption,
                       tenant: str | None = typer.Option(None, help="Only this tenant's."),
                       as_json: bool = typer.Option(False, "--json")) -> None:
     """The newest trajectories first."""
-    rows = _with_store(settings_or_exit(config), lambda s: s.list_trajectories(
+    rows = with_store(settings_or_exit(config), lambda s: s.list_trajectories(
         tenant=tenant, all_tenants=tenant is None, limit=limit))
     if as_json:
         typer.echo(orjson.dumps(rows).decode())
@@ -218,7 +206,7 @@ def trajectories_list(config: str | None = ConfigOption,
 def trajectories_show(trajectory_id: str, config: str | None = ConfigOption,
                       as_json: bool = typer.Option(False, "--json")) -> None:
     """One trajectory as a readable timeline (or its full record with --json)."""
-    found = _with_store(settings_or_exit(config), lambda s: s.get_trajectory(trajectory_id, all_tenants=True))
+    found = with_store(settings_or_exit(config), lambda s: s.get_trajectory(trajectory_id, all_tenants=True))
     if found is None:
         typer.echo(f"error: no trajectory {trajectory_id}", err=True)
         raise typer.Exit(1)
@@ -277,9 +265,9 @@ def trajectories_delete(trajectory_id: str | None = typer.Argument(None),
             raise typer.Exit(2) from None
         if when.tzinfo is None:
             when = when.replace(tzinfo=UTC)
-        count = _with_store(settings, lambda s: s.delete(before=when.timestamp()))
+        count = with_store(settings, lambda s: s.delete(before=when.timestamp()))
     else:
-        count = _with_store(settings, lambda s: s.delete(ids=[trajectory_id]))  # type: ignore[list-item]
+        count = with_store(settings, lambda s: s.delete(ids=[trajectory_id]))  # type: ignore[list-item]
         if count == 0:
             typer.echo(f"error: no trajectory {trajectory_id}", err=True)
             raise typer.Exit(1)

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
-from typing import NoReturn
+import asyncio
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any, NoReturn, TypeVar
 
+import httpx
 import typer
 from rich.console import Console
 
 from gateway.config import ConfigError, Settings, load_settings
+from replay.store import TrajectoryStore
+
+T = TypeVar("T")
 
 ConfigOption = typer.Option(None, "--config", "-c", help="TOML config file (default: $HARNESS_CONFIG).")
+GatewayOption = typer.Option(None, "--gateway", help="Act on a running gateway at this URL instead of the store.")
+JsonOption = typer.Option(False, "--json", help="Machine-readable output.")
 
 err_console = Console(stderr=True)
 
@@ -25,3 +34,36 @@ def settings_or_exit(config: str | None) -> Settings:
         return load_settings(config)
     except ConfigError as exc:
         fail(str(exc), 2)
+
+
+def call_gateway(url: str, method: str, path: str, *, headers: dict[str, str] | None = None, **kwargs: Any) -> Any:
+    """A JSON admin route of a running gateway (admin key from ``HARNESS_ADMIN_KEY``); exits with its error."""
+    key = os.environ.get("HARNESS_ADMIN_KEY")
+    if not key:
+        fail("set HARNESS_ADMIN_KEY to the gateway's admin key", 2)
+    try:
+        response = httpx.request(method, url.rstrip("/") + path,
+                                 headers={"Authorization": f"Bearer {key}", **(headers or {})}, timeout=600.0, **kwargs)
+    except httpx.HTTPError as exc:
+        fail(f"cannot reach the gateway at {url}: {exc}")
+    try:
+        body = response.json()
+    except ValueError:
+        body = {"error": {"message": response.text[:300]}}
+    if response.status_code >= 400:
+        fail(f"{response.status_code}: {(body.get('error') or {}).get('message', body)}")
+    return body
+
+
+def with_store(settings: Settings, fn: Callable[[TrajectoryStore], Awaitable[T]]) -> T:
+    """Run ``fn`` on the configured store, opened for it and closed after."""
+
+    async def run() -> T:
+        store = TrajectoryStore(settings.store.path, synchronous=settings.store.synchronous)
+        await store.start()
+        try:
+            return await fn(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(run())

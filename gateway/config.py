@@ -12,9 +12,9 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 ENV_PREFIX = "HARNESS_"
@@ -26,6 +26,18 @@ class ConfigError(ValueError):
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def _check_networks(value: list[str]) -> list[str]:
+    for entry in value:
+        try:
+            ipaddress.ip_network(entry, strict=False)
+        except ValueError as exc:
+            raise ValueError(str(exc)) from None
+    return value
+
+
+Networks = Annotated[list[str], AfterValidator(_check_networks)]
 
 
 class ServerSettings(_Section):
@@ -93,13 +105,19 @@ class BackendSettings(_Section):
 class ToolsSettings(_Section):
     workspace: str = Field("workspace", description="Folder write_file writes into (created when missing).")
     write_requires_approval: bool = Field(True, description="write_file waits for approval before running.")
+    require_approval: list[str] = Field(default_factory=list, description="More tools (by name) whose calls wait "
+                                        "for a person's approval.")
+    approval_expiry_seconds: float = Field(86_400.0, gt=0, description="A call nobody approved or denied within "
+                                           "this long is given up, and the run goes on without it.")
+    approval_poll_seconds: float = Field(5.0, gt=0, description="How often the gateway looks for decisions made "
+                                         "from the command line and for expired approvals.")
     write_max_bytes: int = Field(1_000_000, gt=0, description="Largest file write_file writes.")
     sql_database: str | None = Field(None, description="SQLite file sql_query reads; none disables it.")
     sql_timeout: float = Field(5.0, gt=0, description="Seconds one query may run.")
     sql_max_rows: int = Field(200, gt=0, description="Most rows one query returns.")
     allow_hosts: list[str] = Field(
         default_factory=list, description="Host names network tools may reach even at private addresses.")
-    allow_networks: list[str] = Field(
+    allow_networks: Networks = Field(
         default_factory=list, description="CIDR ranges network tools may reach even when private.")
     http_timeout: float = Field(20.0, gt=0, description="Seconds one http_get call may take.")
     http_max_redirects: int = Field(5, ge=0, description="Most redirects http_get follows.")
@@ -110,15 +128,6 @@ class ToolsSettings(_Section):
     browser_max_pages: int = Field(4, gt=0, description="Most pages open at once.")
     output_cap: int = Field(20_000, gt=0, description="Most characters of a built-in tool's result.")
 
-    @field_validator("allow_networks")
-    @classmethod
-    def _check_networks(cls, value: list[str]) -> list[str]:
-        for entry in value:
-            try:
-                ipaddress.ip_network(entry, strict=False)
-            except ValueError as exc:
-                raise ValueError(str(exc)) from None
-        return value
 
 
 class ProfileSettings(_Section):
@@ -277,6 +286,53 @@ class TrainingSettings(_Section):
     rl: RLSettings = Field(default_factory=RLSettings)
 
 
+class WeComSettings(_Section):
+    """A WeCom (企业微信) self-built application whose callback URL points at ``/bot/wecom/callback``."""
+
+    corp_id: str | None = Field(None, description="The company's corp id (the receive id of its callback "
+                                "messages); none disables the adapter.")
+    agent_id: int | None = Field(None, description="The application's agent id, used to send replies.")
+    token_env: str = Field("HARNESS_WECOM_TOKEN", description="Variable holding the callback token.")
+    aes_key_env: str = Field("HARNESS_WECOM_AES_KEY", description="Variable holding the 43-character "
+                             "EncodingAESKey.")
+    corp_secret_env: str = Field("HARNESS_WECOM_SECRET", description="Variable holding the application secret "
+                                 "the send API's access token is taken with.")
+    api_base: str = Field("https://qyapi.weixin.qq.com", description="Base URL of WeCom's server API.")
+    profile: str | None = Field(None, description="The agent profile answering WeCom users (default "
+                                "[bot] profile).")
+    ack_text: str = Field("", description="A passive reply sent at once while the agent works (empty: none).")
+    # Filled from the *_env variables at load time.
+    token: str | None = Field(None, exclude=True)
+    aes_key: str | None = Field(None, exclude=True)
+    corp_secret: str | None = Field(None, exclude=True)
+
+
+class BotSettings(_Section):
+    """The chat-bot backend: the signed JSON webhook ``/bot/v1/...`` and platform adapters."""
+
+    profile: str | None = Field(None, description="The agent profile that answers; the bot routes are off "
+                                "without one.")
+    secret_env: str = Field("HARNESS_BOT_SECRET", description="Variable holding the webhook's shared secret.")
+    tenant: str = Field("bot", description="Tenant the bot's trajectories belong to.")
+    sync_timeout_seconds: float = Field(20.0, ge=0, description="How long a webhook waits for the reply before "
+                                        "answering 202 (then callback or polling).")
+    signature_window_seconds: float = Field(300.0, gt=0, description="Largest distance between a request's "
+                                            "timestamp and the gateway's clock.")
+    rate_limit_messages: int = Field(20, ge=0, description="Messages one user may send per window (0: no limit).")
+    rate_limit_window_seconds: float = Field(60.0, gt=0, description="The rate limit's window.")
+    callback_allow_hosts: list[str] = Field(default_factory=list, description="Callback hosts allowed even at "
+                                            "private addresses.")
+    callback_allow_networks: Networks = Field(default_factory=list, description="CIDR ranges callbacks may "
+                                               "reach even when private.")
+    callback_attempts: int = Field(6, gt=0, description="Tries to deliver one callback.")
+    callback_backoff_seconds: float = Field(1.0, gt=0, description="Wait before the second try; doubles each "
+                                            "time.")
+    callback_timeout_seconds: float = Field(10.0, gt=0, description="Seconds one callback request may take.")
+    wecom: WeComSettings = Field(default_factory=WeComSettings)
+    # Filled from secret_env at load time.
+    secret: str | None = Field(None, exclude=True)
+
+
 class Settings(_Section):
     server: ServerSettings = Field(default_factory=ServerSettings)
     store: StoreSettings = Field(default_factory=StoreSettings)
@@ -286,8 +342,7 @@ class Settings(_Section):
     rewards: RewardSettings = Field(default_factory=RewardSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     training: TrainingSettings = Field(default_factory=TrainingSettings)
-    # Reserved for later work; accepted as a free-form table so configs stay forward compatible.
-    bot: dict[str, Any] = Field(default_factory=dict)
+    bot: BotSettings = Field(default_factory=BotSettings)
 
     @model_validator(mode="after")
     def _default_backend(self) -> Settings:
@@ -296,6 +351,20 @@ class Settings(_Section):
         for kind, names in (("backend", [b.name for b in self.backends]), ("profile", [p.name for p in self.profiles])):
             if len(set(names)) != len(names):
                 raise ValueError(f"{kind} names must be unique, got {names}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_bot(self) -> Settings:
+        profiles = {p.name for p in self.profiles}
+        for key, name in (("bot.profile", self.bot.profile), ("bot.wecom.profile", self.bot.wecom.profile)):
+            if name is not None and name not in profiles:
+                raise ValueError(f"{key} names no configured profile: {name!r} (profiles: "
+                                 f"{', '.join(sorted(profiles)) or 'none'})")
+        wecom = self.bot.wecom
+        if wecom.corp_id and wecom.agent_id is None:
+            raise ValueError("bot.wecom.agent_id is needed to send replies when corp_id is set")
+        if wecom.corp_id and not (wecom.profile or self.bot.profile):
+            raise ValueError("bot.wecom needs a profile: set bot.profile or bot.wecom.profile")
         return self
 
 
@@ -358,6 +427,10 @@ def load_settings(path: str | os.PathLike[str] | None = None, environ: Mapping[s
         )
         raise ConfigError(f"invalid configuration: {problems}") from None
     settings.server.admin_key = env.get(settings.server.admin_key_env) or None
+    settings.bot.secret = env.get(settings.bot.secret_env) or None
+    wecom = settings.bot.wecom
+    wecom.token, wecom.aes_key, wecom.corp_secret = (env.get(name) or None for name in (
+        wecom.token_env, wecom.aes_key_env, wecom.corp_secret_env))
     for backend in settings.backends:
         if backend.api_key_env:
             backend.api_key = env.get(backend.api_key_env) or None

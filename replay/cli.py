@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from gateway.cli_support import ConfigOption, err_console, fail, settings_or_exit
+from gateway.cli_support import ConfigOption, err_console, fail, settings_or_exit, with_store
 from replay import export as exporting
 from replay import stats as stats_module
 from replay.filters import Filters, parse_time
@@ -253,8 +253,6 @@ def import_(file_name: str = typer.Argument(..., metavar="FILE",
     except ImportFileError as exc:
         fail(f"{file}: {exc}; nothing imported")
 
-    from gateway.cli import _with_store
-
     target = settings.store.path
     if Path(target).exists():  # a new store is created; an existing one must be one this program can write
         try:
@@ -265,7 +263,7 @@ def import_(file_name: str = typer.Argument(..., metavar="FILE",
             fail(f"{target} has schema version {version}, newer than this program knows ({SCHEMA_VERSION}); "
                   "nothing imported")
     try:
-        result = _with_store(settings, lambda s: import_conversations(
+        result = with_store(settings, lambda s: import_conversations(
             s, conversations, source=source, task=task, group=group, tenant=tenant, model=model))
     except (sqlite3.DatabaseError, OSError) as exc:  # a damaged file, an unwritable directory, a full disk
         fail(f"cannot import into {target}: {exc}; nothing imported")

@@ -183,6 +183,57 @@ MIGRATIONS: list[str] = [
     ) WITHOUT ROWID;
     CREATE INDEX bot_nonces_seen ON bot_nonces(seen_at);
     """,
+    # 7: tool calls held for a person's approval; chat-bot conversations (one growing trajectory each) and the
+    # messages they were sent, kept until their reply is delivered.
+    """
+    CREATE TABLE approvals (
+        id TEXT PRIMARY KEY,
+        trajectory_id TEXT NOT NULL REFERENCES trajectories(id) ON DELETE CASCADE,
+        step INTEGER NOT NULL,
+        call_id TEXT NOT NULL,
+        tool TEXT NOT NULL,
+        arguments TEXT NOT NULL,
+        status TEXT NOT NULL,
+        reason TEXT,
+        decided_by TEXT,
+        created_at REAL NOT NULL,
+        expires_at REAL NOT NULL,
+        decided_at REAL
+    );
+    CREATE INDEX approvals_status ON approvals(status, expires_at);
+    CREATE INDEX approvals_trajectory ON approvals(trajectory_id);
+
+    CREATE TABLE bot_conversations (
+        platform TEXT NOT NULL,
+        conversation_id TEXT NOT NULL,
+        trajectory_id TEXT NOT NULL,
+        user_id TEXT,
+        created_at REAL NOT NULL,
+        PRIMARY KEY (platform, conversation_id)
+    ) WITHOUT ROWID;
+
+    CREATE TABLE bot_messages (
+        id TEXT PRIMARY KEY,
+        platform TEXT NOT NULL,
+        external_id TEXT,
+        conversation_id TEXT NOT NULL,
+        user_id TEXT NOT NULL,
+        text TEXT NOT NULL,
+        callback_url TEXT,
+        trajectory_id TEXT,
+        status TEXT NOT NULL,
+        reply TEXT,
+        model_call_seq INTEGER,
+        harness TEXT,
+        attempts INTEGER NOT NULL DEFAULT 0,
+        error TEXT,
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL
+    );
+    CREATE UNIQUE INDEX bot_messages_external ON bot_messages(platform, external_id) WHERE external_id IS NOT NULL;
+    CREATE INDEX bot_messages_status ON bot_messages(status, created_at);
+    CREATE INDEX bot_messages_trajectory ON bot_messages(trajectory_id);
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -553,6 +553,10 @@ class TrajectoryStore:
 
     async def delete(self, *, ids: list[str] | None = None, before: float | None = None) -> int:
         """Delete trajectories by id or age, then the bodies no remaining call refers to."""
+        # Shielded like ``transaction``: cancelling it half-way would leave the writer's transaction open.
+        return await asyncio.shield(self._locked_delete(ids, before))
+
+    async def _locked_delete(self, ids: list[str] | None, before: float | None) -> int:
         async with self._write_lock:
             return await self._delete(ids, before)
 
@@ -677,35 +681,54 @@ class TrajectoryStore:
     async def agent_run(self, run_id: str) -> dict[str, Any] | None:
         assert self._reader is not None
         async with self._reader.execute(
-                "SELECT r.*, t.tenant FROM agent_runs r JOIN trajectories t ON t.id = r.id WHERE r.id = ?",
+                "SELECT r.*, t.tenant, t.key_id, t.source FROM agent_runs r JOIN trajectories t ON t.id = r.id "
+                "WHERE r.id = ?",
                 (run_id,)) as cur:
             row = await cur.fetchone()
         return dict(row) if row else None
 
-    async def mark_runs(self, *, from_status: str, to_status: str, at: float) -> int:
+    async def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
+        """Rows of a read-only statement, as dicts: for modules that own tables of their own."""
+        assert self._reader is not None
+        async with self._reader.execute(sql, args) as cur:
+            return [dict(row) for row in await cur.fetchall()]
+
+    async def execute(self, sql: str, args: tuple[Any, ...] = ()) -> int:
+        """One statement in a transaction of its own, committed before this returns; the rows it changed."""
+        return (await self.transaction([(sql, args)]))[0]
+
+    async def transaction(self, statements: list[tuple[str, tuple[Any, ...]]]) -> list[int]:
+        """Statements committed together on the writer connection; the rows each changed. Shielded: a caller
+        cancelled half-way must not leave a transaction open, which would lock every later write out."""
+        return await asyncio.shield(self._transaction(statements))
+
+    async def _transaction(self, statements: list[tuple[str, tuple[Any, ...]]]) -> list[int]:
         assert self._writer is not None
         async with self._write_lock:
-            cur = await self._writer.execute(
-                "UPDATE agent_runs SET status = ?, updated_at = ? WHERE status = ?", (to_status, at, from_status))
-            await self._writer.execute(
-                "UPDATE trajectories SET status = ?, updated_at = ? WHERE status = ? AND id IN "
-                "(SELECT id FROM agent_runs)", (to_status, at, from_status))
-            await self._writer.commit()
-        return cur.rowcount
+            try:
+                counts = [(await self._writer.execute(sql, args)).rowcount for sql, args in statements]
+                await self._writer.commit()
+            except BaseException:
+                await self._writer.rollback()
+                raise
+        return counts
+
+    async def mark_runs(self, *, from_status: str, to_status: str, at: float) -> int:
+        counts = await self.transaction([
+            ("UPDATE agent_runs SET status = ?, updated_at = ? WHERE status = ?", (to_status, at, from_status)),
+            ("UPDATE trajectories SET status = ?, updated_at = ? WHERE status = ? AND id IN "
+             "(SELECT id FROM agent_runs)", (to_status, at, from_status))])
+        return counts[0]
 
     # -- API keys ----------------------------------------------------------------------------------
 
     async def create_key(self, *, tenant: str, name: str | None, capture: bool, secret_hash: str,
                          default_model: str | None = None, allow_model_override: bool = False) -> str:
-        assert self._writer is not None
         key_id = new_id()
-        async with self._write_lock:
-            await self._writer.execute(
-                "INSERT INTO api_keys(id, hash, tenant, name, capture, created_at, default_model, allow_model_override)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (key_id, secret_hash, tenant, name, int(capture), time.time(), default_model,
-                 int(allow_model_override)))
-            await self._writer.commit()
+        await self.execute(
+            "INSERT INTO api_keys(id, hash, tenant, name, capture, created_at, default_model, allow_model_override)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (key_id, secret_hash, tenant, name, int(capture), time.time(), default_model, int(allow_model_override)))
         return key_id
 
     async def list_keys(self) -> list[dict[str, Any]]:
@@ -718,21 +741,14 @@ class TrajectoryStore:
     async def claim_nonce(self, nonce: str, *, now: float, keep_seconds: float) -> bool:
         """Record a signed request's nonce; False when it was seen within ``keep_seconds`` (a replay). Older nonces
         are forgotten: their timestamps are outside any window a signature is accepted in."""
-        assert self._writer is not None
-        async with self._write_lock:
-            await self._writer.execute("DELETE FROM bot_nonces WHERE seen_at < ?", (now - keep_seconds,))
-            cur = await self._writer.execute("INSERT OR IGNORE INTO bot_nonces(nonce, seen_at) VALUES (?, ?)",
-                                             (nonce, now))
-            await self._writer.commit()
-            return cur.rowcount == 1
+        counts = await self.transaction([("DELETE FROM bot_nonces WHERE seen_at < ?", (now - keep_seconds,)),
+                                         ("INSERT OR IGNORE INTO bot_nonces(nonce, seen_at) VALUES (?, ?)",
+                                          (nonce, now))])
+        return counts[1] == 1
 
     async def revoke_key(self, key_id: str) -> bool:
-        assert self._writer is not None
-        async with self._write_lock:
-            cur = await self._writer.execute(
-                "UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (time.time(), key_id))
-            await self._writer.commit()
-        return cur.rowcount > 0
+        return await self.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
+                                  (time.time(), key_id)) > 0
 
     async def find_key(self, secret_hash: str) -> dict[str, Any] | None:
         assert self._reader is not None

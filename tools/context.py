@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import httpx
 
 from gateway.config import ToolsSettings
@@ -21,6 +23,8 @@ class ToolContext:
         self.settings = settings or ToolsSettings()
         self.guard = guard or SSRFGuard(self.settings.allow_hosts, self.settings.allow_networks)
         self._http: httpx.AsyncClient | None = None
+        # Sends a chat message (recipient, text) through the bot's platform; set by the gateway when it has one.
+        self.messenger: Callable[[str, str], Awaitable[None]] | None = None
         self.browser = BrowserPool(self.settings, self.http_client)
 
     def http_client(self) -> httpx.AsyncClient:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from gateway.config import ToolsSettings
-from tools.builtin import browse, calculator, http_get, sql_query, write_file
+from gateway.config import ConfigError, ToolsSettings
+from tools.builtin import browse, calculator, http_get, send_message, sql_query, write_file
 from tools.spec import ToolFunction, ToolSpec
 
 
@@ -94,6 +95,16 @@ class ToolRegistry:
             raise KeyError(f"unknown tools {unknown} (known: {', '.join(self._specs) or 'none'})")
         return ToolRegistry(self._specs[n] for n in wanted)
 
+    def requiring_approval(self, names: Iterable[str]) -> ToolRegistry:
+        """The same tools, with these also waiting for a person's approval; unknown names are an error."""
+        marked = set(names)
+        unknown = sorted(marked - set(self._specs))
+        if unknown:
+            raise ConfigError(f"[tools] require_approval names unknown tools: {', '.join(unknown)} "
+                              f"(known: {', '.join(self._specs)})")
+        return ToolRegistry(dataclasses.replace(spec, requires_approval=True) if spec.name in marked else spec
+                            for spec in self)
+
     def openai_tools(self, names: Iterable[str] | None = None) -> list[dict[str, Any]]:
         """The chat request ``tools`` list for these names (all tools when none are given)."""
         specs = self if names is None else self.subset(names)
@@ -103,4 +114,6 @@ class ToolRegistry:
 def default_registry(settings: ToolsSettings | None = None) -> ToolRegistry:
     """The built-in tools, configured from ``[tools]``."""
     settings = settings or ToolsSettings()
-    return ToolRegistry(module.build(settings) for module in (calculator, sql_query, write_file, http_get, browse))
+    modules = (calculator, sql_query, write_file, http_get, browse, send_message)
+    registry = ToolRegistry(module.build(settings) for module in modules)
+    return registry.requiring_approval(settings.require_approval)

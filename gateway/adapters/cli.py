@@ -8,13 +8,11 @@ gateway's admin routes (admin key from ``HARNESS_ADMIN_KEY``), which load and un
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
 import orjson
 import typer
 from rich.console import Console
@@ -23,7 +21,7 @@ from rich.table import Table
 from gateway.adapters import archive
 from gateway.adapters.registry import AdapterRegistry, AdapterVersion, RegistryError, parse_ref
 from gateway.adapters.service import AdapterService
-from gateway.cli_support import ConfigOption, fail, settings_or_exit
+from gateway.cli_support import ConfigOption, GatewayOption, JsonOption, call_gateway, fail, settings_or_exit
 from gateway.logging import configure_logging
 
 T = TypeVar("T")
@@ -36,8 +34,6 @@ console = Console()
 def _quiet() -> None:
     configure_logging("console", "warning")  # stdout is for results (--json), not log lines
 
-GatewayOption = typer.Option(None, "--gateway", help="Act on a running gateway at this URL instead of the store.")
-JsonOption = typer.Option(False, "--json", help="Machine-readable output.")
 PathArgument = typer.Argument(..., help="The adapter folder (adapter_config.json and weights).")
 
 
@@ -49,24 +45,6 @@ def _local(config: str | None, action: Callable[[AdapterService], Awaitable[T]])
         return asyncio.run(action(service))
     except RegistryError as exc:
         fail(exc.message)
-
-
-def _remote(url: str, method: str, path: str, *, headers: dict[str, str] | None = None, **kwargs: Any) -> Any:
-    key = os.environ.get("HARNESS_ADMIN_KEY")
-    if not key:
-        fail("set HARNESS_ADMIN_KEY to the gateway's admin key", 2)
-    try:
-        response = httpx.request(method, url.rstrip("/") + path,
-                                 headers={"Authorization": f"Bearer {key}", **(headers or {})}, timeout=600.0, **kwargs)
-    except httpx.HTTPError as exc:
-        fail(f"cannot reach the gateway at {url}: {exc}")
-    try:
-        body = response.json()
-    except ValueError:
-        body = {"error": {"message": response.text[:300]}}
-    if response.status_code >= 400:
-        fail(f"{response.status_code}: {(body.get('error') or {}).get('message', body)}")
-    return body
 
 
 def _show(card: dict[str, Any], as_json: bool, verb: str) -> None:
@@ -102,7 +80,7 @@ def list_adapters(config: str | None = ConfigOption, gateway: str | None = Gatew
                   as_json: bool = JsonOption) -> None:
     """Every version of every adapter, with its status."""
     if gateway:
-        rows = _remote(gateway, "GET", "/admin/adapters")["data"]
+        rows = call_gateway(gateway, "GET", "/admin/adapters")["data"]
     else:
         rows = [v.as_dict() for v in _local(config, lambda s: s.list())]
     if as_json:
@@ -132,12 +110,12 @@ def register(path: Path = PathArgument,
         except RegistryError as exc:
             fail(exc.message, 2)
         if gateway:
-            card = _remote(gateway, "POST", "/admin/adapters", params={"name": name, "base": base}, content=data,
+            card = call_gateway(gateway, "POST", "/admin/adapters", params={"name": name, "base": base}, content=data,
                            headers={"Content-Type": "application/gzip"})
         else:
             card = _card(_local(config, lambda s: s.register(name, base, upload=data)))
     elif gateway:
-        card = _remote(gateway, "POST", "/admin/adapters", json={"name": name, "base": base, "path": str(folder)})
+        card = call_gateway(gateway, "POST", "/admin/adapters", json={"name": name, "base": base, "path": str(folder)})
     else:
         card = _card(_local(config, lambda s: s.register(name, base, path=str(folder))))
     _show(card, as_json, "registered")
@@ -149,7 +127,7 @@ def publish(ref: str = typer.Argument(..., help="NAME or NAME@VERSION (default: 
     """Load a version into every backend serving its base, and keep it loaded."""
     name, version = _version_of(ref)
     if gateway:
-        card = _remote(gateway, "POST", f"/admin/adapters/{name}/publish", json={"version": version})
+        card = call_gateway(gateway, "POST", f"/admin/adapters/{name}/publish", json={"version": version})
     else:
         found, _ = _local(config, lambda s: s.publish(name, version))
         card = _card(found)
@@ -162,7 +140,7 @@ def promote(ref: str = typer.Argument(..., help="NAME@VERSION"), config: str | N
     """Make a version the one BASE:NAME resolves to."""
     name, version = _exact(ref)
     if gateway:
-        card = _remote(gateway, "POST", f"/admin/adapters/{name}/promote", json={"version": version})
+        card = call_gateway(gateway, "POST", f"/admin/adapters/{name}/promote", json={"version": version})
     else:
         found, replaced = _local(config, lambda s: s.promote(name, version))
         card = _card(found, replaced=replaced.version if replaced else None)
@@ -174,7 +152,7 @@ def rollback(name: str = typer.Argument(..., help="NAME"), config: str | None = 
              gateway: str | None = GatewayOption, as_json: bool = JsonOption) -> None:
     """Re-activate the version that was active before the current one."""
     if gateway:
-        card = _remote(gateway, "POST", f"/admin/adapters/{name}/rollback")
+        card = call_gateway(gateway, "POST", f"/admin/adapters/{name}/rollback")
     else:
         restored, demoted = _local(config, lambda s: s.rollback(name))
         card = _card(restored, replaced=demoted.version)
@@ -187,7 +165,7 @@ def retire(ref: str = typer.Argument(..., help="NAME@VERSION"), config: str | No
     """Stop serving a version for good; it is unloaded once its requests finish."""
     name, version = _exact(ref)
     if gateway:
-        card = _remote(gateway, "POST", f"/admin/adapters/{name}/retire", json={"version": version})
+        card = call_gateway(gateway, "POST", f"/admin/adapters/{name}/retire", json={"version": version})
     else:
         card = _card(_local(config, lambda s: s.retire(name, version)))
     _show(card, as_json, "retired")

@@ -88,3 +88,18 @@ def summary_message(text: str) -> dict[str, Any]:
 def summary_request(middle: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"role": "system", "content": SUMMARY_INSTRUCTIONS},
             {"role": "user", "content": render_for_summary(middle)}]
+
+
+def with_tool_results(messages: list[dict[str, Any]], results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``results`` joined to the tool messages that answer the last assistant tool-call message, before any nudge
+    that followed them, and in the order of the calls: every call keeps its result next to it."""
+    at = next((i for i in range(len(messages) - 1, -1, -1)
+               if messages[i].get("role") == "assistant" and messages[i].get("tool_calls")), None)
+    if at is None:
+        return messages + results
+    end = at + 1
+    while end < len(messages) and messages[end].get("role") == "tool":
+        end += 1
+    order = {c["id"]: n for n, c in enumerate(messages[at]["tool_calls"])}
+    block = sorted(messages[at + 1:end] + results, key=lambda m: order.get(m.get("tool_call_id"), len(order)))
+    return messages[:at + 1] + block + messages[end:]

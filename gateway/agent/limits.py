@@ -68,10 +68,19 @@ class Budget:
     previous_step_calls: list[str] = field(default_factory=list)
     refused_repeat: list[str] = field(default_factory=list)
     call_counts: dict[str, int] = field(default_factory=dict)
+    # Where the current turn began: a conversation's limits apply to each user message, not to its whole life.
+    turn_first_step: int = 0
+    turn_first_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+    def new_turn(self) -> None:
+        """A new user message: steps, tokens, time and the loop counters count again from here."""
+        self.turn_first_step, self.turn_first_tokens = self.steps, self.total_tokens
+        self.started_at = time.time()
+        self.consecutive_failures, self.previous_step_calls, self.refused_repeat, self.call_counts = {}, [], [], {}
 
 
 class Guard:
@@ -81,10 +90,11 @@ class Guard:
 
     def before_model_call(self) -> None:
         lim, b = self.limits, self.budget
-        if lim.max_steps and b.steps >= lim.max_steps:
+        if lim.max_steps and b.steps - b.turn_first_step >= lim.max_steps:
             raise Termination(MAX_STEPS, f"reached the limit of {lim.max_steps} steps")
-        if lim.max_total_tokens and b.total_tokens >= lim.max_total_tokens:
-            raise Termination(MAX_TOTAL_TOKENS, f"spent {b.total_tokens} of {lim.max_total_tokens} tokens")
+        spent = b.total_tokens - b.turn_first_tokens
+        if lim.max_total_tokens and spent >= lim.max_total_tokens:
+            raise Termination(MAX_TOTAL_TOKENS, f"spent {spent} of {lim.max_total_tokens} tokens")
         if self.past_deadline():
             raise Termination(DEADLINE, f"ran past its deadline of {lim.deadline_seconds:g} s")
 

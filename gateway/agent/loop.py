@@ -6,6 +6,10 @@
 without calling a tool or a limit stops it. Stops are ``Termination`` exceptions carrying their named
 reason. The state (messages, spent budgets, counters) is persisted after every step, so a run can be
 inspected, replayed or resumed from the store.
+
+A loop that may wait (``hold_for_approval``) holds calls to tools that need a person's approval: the run
+pauses in ``pending_approval`` (state ``AWAIT_APPROVAL``) with the calls in ``RunState.pending``, and
+``run(decisions)`` later runs the approved ones, tells the model about the denied ones, and goes on.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from gateway.agent.limits import (
 from gateway.agent.parsing import parse_message
 from gateway.agent.validation import CheckedCall, check_call
 from gateway.backends.base import Backend, BackendError, ChatRequest, ChatResult
+from replay.store import new_id
 from tools.executor import ToolOutcome
 from tools.spec import ToolSpec
 
@@ -41,9 +46,15 @@ log = structlog.get_logger()
 CALL_MODEL, PARSE, VALIDATE, EXECUTE, OBSERVE, SUMMARIZE = (
     "CALL_MODEL", "PARSE", "VALIDATE", "EXECUTE", "OBSERVE", "SUMMARIZE")
 FINAL, TERMINATED, ERROR = "FINAL", "TERMINATED", "ERROR"
+AWAIT_APPROVAL, APPROVAL = "AWAIT_APPROVAL", "APPROVAL"
+USER_TURN = "USER_TURN"  # a conversation's next message joined the run
+APPROVED, DENIED, EXPIRED = "approved", "denied", "expired"
 
 APPROVAL_NEEDED = ("Not run: {name} needs a person's approval, and no approver is available. Continue without it "
                    "or say what you would have done.")
+DENIED_NOTE = ("Denied: a person did not allow this call to {name}{reason}. Do not try it again; continue "
+               "without it.")
+EXPIRED_NOTE = "Not run: nobody approved this call to {name} in time. Continue without it."
 WRAP_UP = ("You must stop now ({detail}). Do not call any tools. Give your best final answer from what you "
            "have so far, and say plainly what you could not do.")
 
@@ -96,6 +107,14 @@ class RunState:
     final: str | None = None
     error: str | None = None
     model_calls: int = 0  # every backend call, summaries and wrap-ups included
+    pending: list[dict[str, Any]] = field(default_factory=list)  # held calls: id (approval), call_id, name, arguments
+    paused_at: float | None = None
+
+    def add_user_turn(self, text: str) -> None:
+        """A conversation goes on: the next user message, with the per-turn limits counting afresh."""
+        self.messages.append({"role": "user", "content": text})
+        self.status, self.termination_reason, self.final, self.error = "running", None, None, None
+        self.budget.new_turn()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -125,6 +144,8 @@ class StepRecord:
     purpose: str = "step"  # step | summary | wrap_up
     calls: list[tuple[CheckedCall, ToolOutcome | None]] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
+    approvals: list[dict[str, Any]] = field(default_factory=list)  # calls held in this step
+    decided: list[tuple[str, ToolOutcome]] = field(default_factory=list)  # held calls' outcomes, by call id
 
 
 class Recorder(Protocol):
@@ -134,7 +155,7 @@ class Recorder(Protocol):
 class AgentLoop:
     def __init__(self, *, profile: Profile, backend: Backend, toolbox: Toolbox, recorder: Recorder,
                  state: RunState, token_counter: ctx.TokenCounter | None = None,
-                 on_event: Callable[[Event], None] | None = None) -> None:
+                 on_event: Callable[[Event], None] | None = None, hold_for_approval: bool = False) -> None:
         self.profile = profile
         self.backend = backend
         self.toolbox = toolbox
@@ -143,14 +164,19 @@ class AgentLoop:
         self.guard = Guard(profile.limits, state.budget)
         self.count_tokens = token_counter or ctx.approximate_tokens
         self.on_event = on_event
+        self.hold_for_approval = hold_for_approval
         # How a cancelled run is recorded: a streaming client that left, or a gateway shutting down.
         self.cancelled_as: tuple[str, str | None] = ("terminated", CLIENT_DISCONNECTED)
 
     # -- the run ----------------------------------------------------------------------------------
 
-    async def run(self) -> RunState:
+    async def run(self, decisions: dict[str, dict[str, Any]] | None = None) -> RunState:
+        """Run until the model answers, a limit stops it, or calls wait for approval. ``decisions`` (approval id
+        -> ``{"status", "reason"}``) settle the calls a paused run holds before it goes on."""
         state = self.state
         try:
+            if decisions is not None:
+                await self._settle(decisions)
             while state.status == "running":
                 await self.step()
         except Termination as stop:
@@ -191,6 +217,7 @@ class AgentLoop:
         state.tool_calls += len(checked)
 
         stop: Termination | None = None
+        held: set[str] = set()
         refusals: dict[str, str] = {}
         signatures: dict[str, str] = {}  # call id -> signature
         for c in checked:
@@ -204,7 +231,11 @@ class AgentLoop:
                 refusal = "Refused: the same call again. The run is stopping."
             if refusal:
                 refusals[c.id] = refusal
-        runnable = [c for c in checked if c.valid and c.id not in refusals]
+            elif self.hold_for_approval and self._needs_approval(c.name):
+                held.add(c.id)
+        if stop is not None:
+            held.clear()
+        runnable = [c for c in checked if c.valid and c.id not in refusals and c.id not in held]
         self._emit(record, EXECUTE, calls=[{"id": c.id, "name": c.name, "arguments": c.arguments}
                                            for c in runnable])
         outcomes = await asyncio.gather(*[self._execute(c) for c in runnable]) if stop is None else []
@@ -218,6 +249,12 @@ class AgentLoop:
                 outcome = ToolOutcome("invalid", note, 0.0)
             elif c.id in refusals:
                 outcome = ToolOutcome("denied", refusals[c.id], 0.0)
+            elif c.id in held:  # its tool message comes with the decision
+                approval = {"id": new_id(), "call_id": c.id, "name": c.name, "arguments": c.arguments}
+                state.pending.append(approval)
+                record.approvals.append(approval)
+                record.calls.append((c, ToolOutcome("pending_approval", "", 0.0)))
+                continue
             else:
                 outcome = by_id.get(c.id) or ToolOutcome("denied", "Not run: the run is stopping.", 0.0)
             record.calls.append((c, outcome))
@@ -238,6 +275,40 @@ class AgentLoop:
         failed = {signatures[c.id] for c, o in record.calls if c.id in signatures and (
             o.status in ("error", "timeout") or (o.status == "ok" and not o.output.strip()))}
         self.guard.end_step(list(signatures.values()), failed=failed)
+        if state.pending:
+            state.status, state.paused_at = "pending_approval", time.time()
+            self._emit(record, AWAIT_APPROVAL, approvals=list(record.approvals))
+        await self._persist(record)
+        if stop is not None:
+            raise stop
+
+    async def _settle(self, decisions: dict[str, dict[str, Any]]) -> None:
+        """Run the approved held calls, refuse the others, and put their results where the calls were made."""
+        state = self.state
+        record = StepRecord(step=state.budget.steps)
+        results, stop = [], None
+        for held in state.pending:
+            decision = decisions[held["id"]]
+            if decision["status"] == APPROVED:
+                outcome = await self.toolbox.execute(held["name"], held["arguments"])
+            elif decision["status"] == EXPIRED:
+                outcome = ToolOutcome("denied", EXPIRED_NOTE.format(name=held["name"]), 0.0)
+            else:
+                reason = f" ({decision['reason']})" if decision.get("reason") else ""
+                outcome = ToolOutcome("denied", DENIED_NOTE.format(name=held["name"], reason=reason), 0.0)
+            record.decided.append((held["call_id"], outcome))
+            results.append({"role": "tool", "tool_call_id": held["call_id"], "content": outcome.output})
+            self._emit(record, APPROVAL, id=held["id"], name=held["name"], decision=decision["status"],
+                       status=outcome.status, output=outcome.output[:500])
+            if outcome.status in ("ok", "error", "timeout"):
+                try:
+                    self.guard.tool_result(held["name"], outcome.status == "ok")
+                except Termination as exc:
+                    stop = stop or exc
+        state.messages[:] = ctx.with_tool_results(state.messages, results)
+        if state.paused_at is not None:  # waiting for a person is not the run's time
+            state.budget.started_at += time.time() - state.paused_at
+        state.pending, state.paused_at, state.status = [], None, "running"
         await self._persist(record)
         if stop is not None:
             raise stop
@@ -278,11 +349,14 @@ class AgentLoop:
         self.guard.spent(result.response.get("usage"))
         return result
 
+    def _needs_approval(self, name: str) -> bool:
+        spec = self.toolbox.get(name)
+        return spec is not None and spec.requires_approval
+
     async def _execute(self, call: CheckedCall) -> ToolOutcome:
         assert call.arguments is not None
-        spec = self.toolbox.get(call.name)
-        if spec is not None and spec.requires_approval:
-            # Approval by a person is not wired up yet: such a call is refused, never run unapproved.
+        if self._needs_approval(call.name):
+            # A loop that cannot wait (a chat completion in flight) refuses: never run unapproved.
             return ToolOutcome("denied", APPROVAL_NEEDED.format(name=call.name), 0.0)
         return await self.toolbox.execute(call.name, call.arguments)
 

@@ -22,7 +22,8 @@ def _json(value: Any) -> str:
 
 class StoreRecorder:
     def __init__(self, store: TrajectoryStore, *, profile: Profile, backend: str, tenant: str | None = None,
-                 key_id: str | None = None, source: str = "agent", capture: bool = True) -> None:
+                 key_id: str | None = None, source: str = "agent", capture: bool = True,
+                 approval_expiry_seconds: float = 86_400.0, metadata: dict[str, Any] | None = None) -> None:
         self.store = store
         self.profile = profile
         self.backend = backend
@@ -30,6 +31,8 @@ class StoreRecorder:
         self.key_id = key_id
         self.source = source
         self.capture = capture
+        self.approval_expiry_seconds = approval_expiry_seconds
+        self.metadata = metadata
 
     async def start(self, state: RunState) -> None:
         if not self.capture:
@@ -37,15 +40,18 @@ class StoreRecorder:
         now = time.time()
         await self.store.write(WriteOp(statements=[
             ("""INSERT OR IGNORE INTO trajectories(id, source, tenant, key_id, requested_model, base_model, status,
-                    message_count, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, 'running', ?, ?, ?)""",
+                    message_count, metadata, created_at, updated_at)
+                VALUES (?, ?, ?, ?, ?, ?, 'running', ?, ?, ?, ?)""",
              (state.run_id, self.source, self.tenant, self.key_id, f"agent:{self.profile.name}", self.profile.model,
-              len(state.messages), now, now)),
+              len(state.messages), _json(self.metadata) if self.metadata else None, now, now)),
             ("""INSERT OR IGNORE INTO agent_runs(id, profile, status, steps, state, created_at, updated_at)
                 VALUES (?, ?, ?, 0, ?, ?, ?)""",
              (state.run_id, self.profile.name, state.status, _json(state.to_dict()), now, now)),
         ]))
 
-    async def step(self, state: RunState, record: StepRecord) -> None:
+    async def step(self, state: RunState, record: StepRecord,
+                   also: list[tuple[str, tuple[Any, ...]]] | None = None) -> None:
+        """Persist one step with the run's state; ``also`` are more statements for the same commit."""
         if not self.capture:
             return
         now = time.time()
@@ -73,7 +79,16 @@ class StoreRecorder:
                              "status": o.status, "result": o.output, "duration_ms": o.duration_ms}
                             for c, o in record.calls]))
             state.model_calls += 1
-        statements: list[tuple[str, tuple[Any, ...]]] = []
+        statements: list[tuple[str, tuple[Any, ...]]] = list(also or [])
+        for a in record.approvals:
+            statements.append(("""INSERT INTO approvals(id, trajectory_id, step, call_id, tool, arguments, status,
+                                      created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?)""",
+                               (a["id"], state.run_id, record.step, a["call_id"], a["name"], _json(a["arguments"]),
+                                now, now + self.approval_expiry_seconds)))
+        for call_id, outcome in record.decided:
+            statements.append(("UPDATE tool_calls SET status = ?, result = ?, duration_ms = ? WHERE trajectory_id = ? "
+                               "AND call_id = ? AND status = 'pending_approval'",
+                               (outcome.status, outcome.output, outcome.duration_ms, state.run_id, call_id)))
         for event in record.events:
             statements.append(("INSERT INTO events(trajectory_id, step, state, data, created_at) "
                                "VALUES (?, ?, ?, ?, ?)",

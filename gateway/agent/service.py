@@ -1,24 +1,30 @@
-"""Starting agent runs from profiles: the one place the API, the CLI and background runs share."""
+"""Starting agent runs from profiles, and continuing them from the store: the one place the API, the CLI,
+background runs, approvals and the chat bot share."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import orjson
+import structlog
 
+from gateway.agent import approvals
 from gateway.agent.limits import Limits
 from gateway.agent.loop import AgentLoop, Event, Profile, RunState
 from gateway.agent.recording import StoreRecorder
 from gateway.auth import Principal
 from gateway.backends.base import Backend
 from gateway.config import ConfigError, ProfileSettings
-from gateway.errors import model_not_found
+from gateway.errors import APIError, model_not_found
+from gateway.keyed_lock import KeyedLock
 from replay.store import TrajectoryStore, new_id
 from tools.context import ToolContext
 from tools.registry import ToolRegistry
 from tools.toolbox import Toolbox
+
+log = structlog.get_logger()
 
 AGENT_PREFIX = "agent:"
 LIMIT_KEYS = ("max_steps", "max_total_tokens", "deadline_seconds", "max_consecutive_tool_failures", "max_repeats")
@@ -33,12 +39,19 @@ def profile_from_settings(p: ProfileSettings) -> Profile:
 
 class AgentService:
     def __init__(self, *, profiles: list[ProfileSettings], store: TrajectoryStore, registry: ToolRegistry,
-                 tool_context: ToolContext, backend_for: Callable[[str], Backend]) -> None:
+                 tool_context: ToolContext, backend_for: Callable[[str], Backend],
+                 spawn: Callable[[Coroutine[Any, Any, Any]], None] | None = None) -> None:
         self.profiles = {p.name: profile_from_settings(p) for p in profiles}
         self.store = store
         self.registry = registry
         self.tool_context = tool_context
         self.backend_for = backend_for
+        self.spawn = spawn
+        self.approval_expiry_seconds = tool_context.settings.approval_expiry_seconds
+        # A run goes on in one place at a time: its first start, a resume after approval, a conversation's turn.
+        self.runs = KeyedLock()
+        # Called with the state of every run that ``resume`` carried on to its end (or its next pause).
+        self.on_finish: list[Callable[[RunState], Awaitable[None]]] = []
         for profile in self.profiles.values():
             missing = [t for t in profile.tools if t not in registry]
             if missing:
@@ -54,21 +67,94 @@ class AgentService:
 
     def prepare(self, profile_name: str, messages: list[dict[str, Any]], principal: Principal, *,
                 limits: dict[str, Any] | None = None, on_event: Callable[[Event], None] | None = None,
-                run_id: str | None = None) -> tuple[AgentLoop, StoreRecorder]:
-        """A loop ready to run, and its recorder (whose ``start`` must be awaited first)."""
+                run_id: str | None = None, hold_for_approval: bool = False, source: str = "agent",
+                metadata: dict[str, Any] | None = None) -> tuple[AgentLoop, StoreRecorder]:
+        """A loop ready to run, and its recorder (whose ``start`` must be awaited first). Only a run nobody waits
+        on (``hold_for_approval``) may pause for a person; others are refused such calls."""
         profile = self.profile(profile_name)
         if limits:
             profile = Profile(**{**profile.__dict__, "limits": profile.limits.tightened(**limits)})
-        backend = self.backend_for(profile.model)
         opening = [{"role": "system", "content": profile.system_prompt}] if profile.system_prompt else []
         state = RunState(run_id=run_id or new_id(), profile=profile.name, messages=opening + list(messages))
-        recorder = StoreRecorder(self.store, profile=profile, backend=backend.name, tenant=principal.tenant,
-                                 key_id=principal.key_id, capture=principal.capture)
+        return self._loop(profile, state, tenant=principal.tenant, key_id=principal.key_id, source=source,
+                          capture=principal.capture, metadata=metadata, on_event=on_event,
+                          hold_for_approval=hold_for_approval)
+
+    def _loop(self, profile: Profile, state: RunState, *, tenant: str | None, key_id: str | None, source: str,
+              capture: bool = True, metadata: dict[str, Any] | None = None,
+              on_event: Callable[[Event], None] | None = None,
+              hold_for_approval: bool = False) -> tuple[AgentLoop, StoreRecorder]:
+        backend = self.backend_for(profile.model)
+        recorder = StoreRecorder(self.store, profile=profile, backend=backend.name, tenant=tenant, key_id=key_id,
+                                 source=source, capture=capture, metadata=metadata,
+                                 approval_expiry_seconds=self.approval_expiry_seconds)
         toolbox = Toolbox(self.registry, self.tool_context, profile.tools)
         # Count context with the backend's own tokenizer where it has one.
         loop = AgentLoop(profile=profile, backend=backend, toolbox=toolbox, recorder=recorder, state=state,
-                         on_event=on_event, token_counter=getattr(backend, "count_tokens", None))
+                         on_event=on_event, token_counter=getattr(backend, "count_tokens", None),
+                         hold_for_approval=hold_for_approval)
         return loop, recorder
+
+    async def load(self, run_id: str) -> tuple[AgentLoop, StoreRecorder] | None:
+        """The run the store holds, ready to go on in the background (it may pause for approval again)."""
+        row = await self.store.agent_run(run_id)
+        if row is None or not row["state"]:
+            return None
+        state = RunState.from_dict(orjson.loads(row["state"]))
+        loop, recorder = self._loop(self.profile(row["profile"]), state, tenant=row["tenant"], key_id=row["key_id"],
+                                    source=row["source"], hold_for_approval=True)
+        loop.cancelled_as = ("interrupted", None)
+        return loop, recorder
+
+    async def resume(self, run_id: str) -> RunState | None:
+        """Carry on a run from the store: one paused for approval whose held calls are all decided, or one a
+        restart cut off. None when there is nothing to do (yet)."""
+        async with self.runs.hold(run_id):
+            loaded = await self.load(run_id)
+            if loaded is None:
+                return None
+            loop = loaded[0]
+            state = loop.state
+            if state.status == "pending_approval":
+                decided = await approvals.decisions(self.store, run_id)
+                if any(held["id"] not in decided for held in state.pending):
+                    return None
+                state = await loop.run(decided)
+            elif state.status == "interrupted":
+                state.status = "running"
+                state = await loop.run()
+            else:
+                return None
+        log.info("agent.resumed", trajectory_id=run_id, status=state.status)
+        for listener in self.on_finish:
+            await listener(state)
+        return state
+
+    async def decide(self, approval_id: str, *, approve: bool, reason: str | None, by: str) -> dict[str, Any]:
+        """Approve or deny a held call; the run goes on in the background once all its held calls are decided."""
+        row, changed = await approvals.decide(self.store, approval_id, approve=approve, reason=reason, by=by,
+                                              now=time.time())
+        if row is None:
+            raise APIError(404, f"No approval '{approval_id}'.", code="not_found")
+        if not changed:
+            status = "expired" if row["status"] == approvals.PENDING else row["status"]
+            raise APIError(409, f"Approval '{approval_id}' is already {status}.", code="already_decided")
+        self._resume_later(row["trajectory_id"])
+        return row
+
+    async def sweep(self) -> None:
+        """Expire overdue approvals, and resume runs whose calls were all decided elsewhere (the command line,
+        another gateway process) or while this one was down."""
+        expired = await approvals.expire(self.store, time.time())
+        if expired:
+            log.info("approvals.expired", count=expired)
+        for run_id in await approvals.settled_runs(self.store):
+            if not self.runs.busy(run_id):
+                self._resume_later(run_id)
+
+    def _resume_later(self, run_id: str) -> None:
+        assert self.spawn is not None, "resuming in the background needs spawn"
+        self.spawn(self.resume(run_id))
 
     async def run(self, profile_name: str, messages: list[dict[str, Any]], principal: Principal, **kw: Any) -> RunState:
         loop, recorder = self.prepare(profile_name, messages, principal, **kw)
@@ -80,10 +166,11 @@ class AgentService:
         if row is None or (not principal.admin and row["tenant"] != principal.tenant):
             return None
         state = orjson.loads(row["state"]) if row["state"] else {}
+        held = await approvals.list_approvals(self.store, trajectory_id=run_id) if state.get("pending") else []
         return {"id": run_id, "object": "agent.run", "profile": row["profile"], "status": row["status"],
                 "termination_reason": row["termination_reason"], "steps": row["steps"],
                 "created_at": row["created_at"], "updated_at": row["updated_at"],
-                "output": state.get("final"), "messages": state.get("messages", []),
+                "output": state.get("final"), "messages": state.get("messages", []), "approvals": held,
                 "harness": orjson.loads(row["result"]) if row["result"] else None}
 
     async def interrupt_unfinished(self) -> int:

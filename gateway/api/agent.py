@@ -124,7 +124,7 @@ async def create_run(request: Request) -> Response:
     if not isinstance(limits, dict) or any(k not in LIMIT_KEYS or not isinstance(v, (int, float)) or v < 0
                                            for k, v in limits.items()):
         raise APIError(400, f"'limits' may set only {', '.join(LIMIT_KEYS)}, each a number >= 0.", param="limits")
-    loop, recorder = gateway.agents.prepare(profile, messages, principal, limits=limits)
+    loop, recorder = gateway.agents.prepare(profile, messages, principal, limits=limits, hold_for_approval=True)
     loop.cancelled_as = ("interrupted", None)
     await recorder.start(loop.state)
     gateway.spawn(loop.run(), cancel_on_stop=True)

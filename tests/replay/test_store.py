@@ -189,3 +189,20 @@ async def test_a_nonce_is_claimed_once_even_across_a_restart(tmp_path: Path) -> 
         assert await reopened.claim_nonce("n1", now=1700.0, keep_seconds=600) is True
     finally:
         await reopened.close()
+
+
+async def test_a_statement_cancelled_half_way_still_commits_and_never_locks_later_writes(store) -> None:
+    from replay.store import WriteOp
+
+    for _ in range(20):  # cancel at whichever await the statement happens to be in
+        task = asyncio.create_task(store.execute("INSERT INTO bot_nonces(nonce, seen_at) VALUES (?, 1)",
+                                                 (f"n{_}",)))
+        await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        # the batch writer (another connection) must get the write lock at once, not after the busy timeout
+        await asyncio.wait_for(store.write(WriteOp(statements=[
+            ("INSERT INTO bot_nonces(nonce, seen_at) VALUES (?, 2)", (f"b{_}",))])), 3)
+    db = sqlite3.connect(store.path)
+    assert db.execute("SELECT COUNT(*) FROM bot_nonces WHERE seen_at = 2").fetchone() == (20,)
+    assert db.execute("SELECT COUNT(*) FROM bot_nonces WHERE seen_at = 1").fetchone() == (20,)

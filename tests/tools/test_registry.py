@@ -2,7 +2,7 @@ from typing import Any
 
 import pytest
 
-from gateway.config import ToolsSettings
+from gateway.config import ConfigError, ToolsSettings
 from tools.context import ToolContext
 from tools.executor import execute
 from tools.registry import ToolRegistry, default_registry, tool
@@ -50,14 +50,14 @@ def test_duplicate_names_are_an_error() -> None:
 
 def test_get_subset_and_openai_tools() -> None:
     registry = default_registry(ToolsSettings())
-    assert registry.names() == ["calculator", "sql_query", "write_file", "http_get", "browse"]
+    assert registry.names() == ["calculator", "sql_query", "write_file", "http_get", "browse", "send_message"]
     assert registry.get("nope") is None
     with pytest.raises(KeyError, match="no tool named 'nope'"):
         registry["nope"]
     narrow = registry.subset(["http_get", "calculator"])
     assert narrow.names() == ["http_get", "calculator"]
     assert [t["function"]["name"] for t in registry.openai_tools(["browse"])] == ["browse"]
-    assert len(registry.openai_tools()) == 5
+    assert len(registry.openai_tools()) == 6
     with pytest.raises(KeyError, match="unknown tools"):
         registry.subset(["calculator", "rm_rf"])
 
@@ -70,3 +70,11 @@ def test_default_registry_follows_settings() -> None:
     assert registry["write_file"].permissions == frozenset({"filesystem:write"})
     assert registry["sql_query"].permissions == frozenset({"database:read"})
     assert "network" in registry["browse"].permissions
+    assert registry["send_message"].requires_approval is True  # whatever the settings say
+
+
+def test_any_tool_can_be_made_to_wait_for_approval() -> None:
+    registry = default_registry(ToolsSettings(require_approval=["http_get", "sql_query"]))
+    assert {s.name for s in registry if s.requires_approval} == {"write_file", "http_get", "sql_query", "send_message"}
+    with pytest.raises(ConfigError, match="require_approval names unknown tools: nope"):
+        default_registry(ToolsSettings(require_approval=["nope"]))

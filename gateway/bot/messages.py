@@ -1,0 +1,96 @@
+"""The bot's rows in the store: conversations (each one growing trajectory) and the messages users sent.
+
+A message is stored before the platform hears back (so nothing accepted is lost) and moves through
+``queued`` (stored) → ``running`` (added to its conversation's trajectory, in the same commit) →
+``pending_approval`` | ``answered`` (the reply is stored) → ``delivered`` | ``failed`` (delivery gave up).
+An answered message with nowhere to send the reply stays ``answered`` until it is polled.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+
+from gateway.bot.platform import Incoming
+from replay.store import TrajectoryStore, new_id
+
+QUEUED, RUNNING, PENDING_APPROVAL, ANSWERED, DELIVERED, FAILED = (
+    "queued", "running", "pending_approval", "answered", "delivered", "failed")
+
+Statement = tuple[str, tuple[Any, ...]]
+
+
+def view(row: dict[str, Any]) -> dict[str, Any]:
+    """A message as the API shows it."""
+    return {"object": "bot.message", "id": row["id"], "conversation_id": row["conversation_id"],
+            "user_id": row["user_id"], "status": row["status"], "reply": row["reply"],
+            "harness": orjson.loads(row["harness"]) if row["harness"] else None,
+            "created_at": row["created_at"], "updated_at": row["updated_at"]}
+
+
+async def add(store: TrajectoryStore, incoming: Incoming) -> dict[str, Any] | None:
+    """Store a new message as ``queued``; None when the platform already sent one with this external id."""
+    now, message_id = time.time(), new_id()
+    added = await store.execute(
+        """INSERT OR IGNORE INTO bot_messages(id, platform, external_id, conversation_id, user_id, text, callback_url,
+               status, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+        (message_id, incoming.platform, incoming.external_id, incoming.conversation_id, incoming.user_id,
+         incoming.text, incoming.callback_url, QUEUED, now, now))
+    return await get(store, message_id) if added else None
+
+
+async def get(store: TrajectoryStore, message_id: str) -> dict[str, Any] | None:
+    rows = await store.query("SELECT * FROM bot_messages WHERE id = ?", (message_id,))
+    return rows[0] if rows else None
+
+
+async def of_run(store: TrajectoryStore, trajectory_id: str, statuses: tuple[str, ...]) -> list[dict[str, Any]]:
+    marks = ",".join("?" * len(statuses))
+    return await store.query(f"SELECT * FROM bot_messages WHERE trajectory_id = ? AND status IN ({marks}) "
+                             "ORDER BY created_at", (trajectory_id, *statuses))
+
+
+async def with_status(store: TrajectoryStore, statuses: tuple[str, ...]) -> list[dict[str, Any]]:
+    marks = ",".join("?" * len(statuses))
+    return await store.query(f"SELECT * FROM bot_messages WHERE status IN ({marks}) ORDER BY created_at, id",
+                             statuses)
+
+
+async def conversation_run(store: TrajectoryStore, platform: str, conversation_id: str) -> str | None:
+    """The trajectory a conversation grows, while it still exists (retention may have deleted it)."""
+    rows = await store.query("""SELECT c.trajectory_id FROM bot_conversations c
+                                JOIN agent_runs r ON r.id = c.trajectory_id
+                                WHERE c.platform = ? AND c.conversation_id = ?""", (platform, conversation_id))
+    return rows[0]["trajectory_id"] if rows else None
+
+
+def conversation_statement(message: dict[str, Any], trajectory_id: str) -> Statement:
+    return ("""INSERT INTO bot_conversations(platform, conversation_id, trajectory_id, user_id, created_at)
+               VALUES (?, ?, ?, ?, ?) ON CONFLICT(platform, conversation_id) DO UPDATE SET
+               trajectory_id = excluded.trajectory_id""",
+            (message["platform"], message["conversation_id"], trajectory_id, message["user_id"], time.time()))
+
+
+def running_statement(message_id: str, trajectory_id: str) -> Statement:
+    return ("UPDATE bot_messages SET status = ?, trajectory_id = ?, updated_at = ? WHERE id = ?",
+            (RUNNING, trajectory_id, time.time(), message_id))
+
+
+async def set_outcome(store: TrajectoryStore, message_id: str, *, status: str, reply: str | None = None,
+                      harness: dict[str, Any] | None = None, model_call_seq: int | None = None) -> dict[str, Any]:
+    await store.execute(
+        """UPDATE bot_messages SET status = ?, reply = COALESCE(?, reply), harness = COALESCE(?, harness),
+               model_call_seq = COALESCE(?, model_call_seq), updated_at = ? WHERE id = ?""",
+        (status, reply, orjson.dumps(harness).decode() if harness else None, model_call_seq, time.time(),
+         message_id))
+    row = await get(store, message_id)
+    assert row is not None
+    return row
+
+
+async def set_delivery(store: TrajectoryStore, message_id: str, *, delivered: bool, attempts: int,
+                       error: str | None) -> None:
+    await store.execute("UPDATE bot_messages SET status = ?, attempts = attempts + ?, error = ?, updated_at = ? "
+                        "WHERE id = ?", (DELIVERED if delivered else FAILED, attempts, error, time.time(), message_id))

@@ -1,0 +1,218 @@
+"""The chat bot's core, shared by every platform: conversations as growing agent runs, per-user rate limits,
+reply delivery with retries, user reactions as feedback, and recovery after a restart.
+
+A conversation is one agent run (one trajectory): each new message is appended to it as the next user turn and
+the loop runs again, its profile's summarization keeping the context inside its budget. Turns of one conversation
+take their turn; a run waiting for a person's approval answers new messages with a note instead of running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+from limits import RateLimitItemPerSecond
+from limits.storage import MemoryStorage
+from limits.strategies import MovingWindowRateLimiter
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+from gateway.agent.loop import USER_TURN, Event, RunState, StepRecord
+from gateway.agent.service import AgentService
+from gateway.auth import Principal
+from gateway.bot import messages
+from gateway.bot.platform import DeliveryError, Incoming, Platform
+from gateway.config import BotSettings
+from gateway.errors import APIError
+from gateway.keyed_lock import KeyedLock
+from replay.store import TrajectoryStore
+
+log = structlog.get_logger()
+
+SORRY = "Sorry, something went wrong on my side and I could not answer. Please try again later."
+WAITING = ("I am waiting for a person to approve {calls} before I can go on. Send your message again once it is "
+           "decided.")
+STOPPED = "I had to stop before I could finish ({reason})."
+
+Spawn = Callable[..., asyncio.Task[Any]]
+
+
+class BotService:
+    def __init__(self, settings: BotSettings, agents: AgentService, store: TrajectoryStore, spawn: Spawn) -> None:
+        self.settings = settings
+        self.agents = agents
+        self.store = store
+        self.spawn = spawn
+        self.platforms: dict[str, Platform] = {}
+        self.principal = Principal(key_id=None, tenant=settings.tenant)
+        self.conversations = KeyedLock()
+        self._limiter = MovingWindowRateLimiter(MemoryStorage())
+        self._limit = (RateLimitItemPerSecond(settings.rate_limit_messages,
+                                              max(1, math.ceil(settings.rate_limit_window_seconds)))
+                       if settings.rate_limit_messages else None)
+        agents.on_finish.append(self._resumed)
+
+    def add(self, platform: Platform) -> None:
+        self.platforms[platform.name] = platform
+
+    async def aclose(self) -> None:
+        for platform in self.platforms.values():
+            await platform.aclose()
+
+    # -- taking messages in -----------------------------------------------------------------------
+
+    def rate_limited(self, platform: str, user_id: str) -> tuple[str, int] | None:
+        """The reply to a user past the limit and the seconds until they may send again, or None."""
+        if self._limit is None or self._limiter.hit(self._limit, platform, user_id):
+            return None
+        reset = self._limiter.get_window_stats(self._limit, platform, user_id).reset_time
+        wait = max(1, math.ceil(reset - time.time()))
+        return (f"You are sending messages too fast: at most {self.settings.rate_limit_messages} every "
+                f"{self.settings.rate_limit_window_seconds:g} s. Try again in {wait} s.", wait)
+
+    async def accept(self, incoming: Incoming) -> dict[str, Any] | None:
+        """Store a message before anything else happens to it; None for a platform's retry of one already stored."""
+        return await messages.add(self.store, incoming)
+
+    def answer(self, message: dict[str, Any]) -> asyncio.Task[dict[str, Any]]:
+        """Run the message's turn in the background; the task ends with the message row, answered or waiting for
+        an approval. A shutdown interrupts it, and the next start carries it on."""
+        return self.spawn(self._turn(message), cancel_on_stop=True)
+
+    def reply_later(self, turn: asyncio.Task[dict[str, Any]]) -> None:
+        """Deliver the turn's reply once it is there. A shutdown stops the wait (the reply stays answered, and the
+        next start sends it), so stopping never waits out a receiver's retries."""
+        self.spawn(self._deliver_when_done(turn), cancel_on_stop=True)
+
+    async def _deliver_when_done(self, turn: asyncio.Task[dict[str, Any]]) -> None:
+        await self.deliver(await turn)
+
+    async def _turn(self, message: dict[str, Any]) -> dict[str, Any]:
+        platform = self.platforms[message["platform"]]
+        try:
+            async with self.conversations.hold(f"{message['platform']}\x00{message['conversation_id']}"):
+                run_id = await messages.conversation_run(self.store, message["platform"], message["conversation_id"])
+                if run_id is None:
+                    return await self._first_turn(message, platform.profile)
+                async with self.agents.runs.hold(run_id):
+                    loaded = await self.agents.load(run_id)
+                    assert loaded is not None
+                    loop, recorder = loaded
+                    if loop.state.status == "pending_approval":
+                        calls = ", ".join(held["name"] for held in loop.state.pending)
+                        return await messages.set_outcome(self.store, message["id"], status=messages.ANSWERED,
+                                                          reply=WAITING.format(calls=calls),
+                                                          harness=loop.state.harness())
+                    loop.state.add_user_turn(message["text"])
+                    await self._record_turn(recorder, loop.state, message)
+                    return await self._answered(message["id"], await loop.run())
+        except Exception:
+            log.exception("bot.turn_failed", message_id=message["id"])
+            return await messages.set_outcome(self.store, message["id"], status=messages.ANSWERED, reply=SORRY)
+
+    async def _first_turn(self, message: dict[str, Any], profile: str) -> dict[str, Any]:
+        loop, recorder = self.agents.prepare(
+            profile, [{"role": "user", "content": message["text"]}], self.principal, hold_for_approval=True,
+            source="bot", metadata={"bot": {k: message[k] for k in ("platform", "conversation_id", "user_id")}})
+        loop.cancelled_as = ("interrupted", None)
+        run_id = loop.state.run_id
+        async with self.agents.runs.hold(run_id):
+            await recorder.start(loop.state)
+            await self._record_turn(recorder, loop.state, message,
+                                    also=[messages.conversation_statement(message, run_id)])
+            return await self._answered(message["id"], await loop.run())
+
+    @staticmethod
+    async def _record_turn(recorder: Any, state: RunState, message: dict[str, Any],
+                           also: list[messages.Statement] | None = None) -> None:
+        """The user turn joins the run and the message becomes ``running`` in one commit: after a crash the
+        message is either still queued (and runs again) or already in the run (which resumes)."""
+        step = state.budget.steps
+        record = StepRecord(step=step, events=[Event(step, USER_TURN, {"message_id": message["id"]})])
+        await recorder.step(state, record, also=[messages.running_statement(message["id"], state.run_id),
+                                                 *(also or [])])
+
+    async def _answered(self, message_id: str, state: RunState) -> dict[str, Any]:
+        if state.status == "pending_approval":
+            return await messages.set_outcome(self.store, message_id, status=messages.PENDING_APPROVAL,
+                                              harness=state.harness())
+        reply = state.final or (STOPPED.format(reason=state.termination_reason) if state.termination_reason else SORRY)
+        return await messages.set_outcome(self.store, message_id, status=messages.ANSWERED, reply=reply,
+                                          harness=state.harness(), model_call_seq=max(0, state.model_calls - 1))
+
+    async def _resumed(self, state: RunState) -> None:
+        """A run went on after approval (or after a restart): its waiting messages get their replies."""
+        for row in await messages.of_run(self.store, state.run_id, (messages.RUNNING, messages.PENDING_APPROVAL)):
+            await self.deliver(await self._answered(row["id"], state))
+
+    # -- replies out --------------------------------------------------------------------------------
+
+    async def deliver(self, row: dict[str, Any]) -> None:
+        """Send an answered message's reply through its platform, retrying with backoff; then mark it delivered
+        (or failed, with the last error). A reply with nowhere to go stays answered, to be polled."""
+        platform = self.platforms.get(row["platform"])
+        if row["status"] != messages.ANSWERED or platform is None:
+            return
+        attempts = 0
+        retrying = AsyncRetrying(stop=stop_after_attempt(self.settings.callback_attempts),
+                                 wait=wait_exponential(multiplier=self.settings.callback_backoff_seconds, max=300),
+                                 retry=retry_if_exception(lambda e: isinstance(e, DeliveryError) and e.retryable),
+                                 reraise=True)
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    attempts += 1
+                    sent = await platform.deliver(row)
+        except DeliveryError as exc:
+            log.warning("bot.delivery_failed", message_id=row["id"], platform=row["platform"], attempts=attempts,
+                        error=str(exc))
+            await messages.set_delivery(self.store, row["id"], delivered=False, attempts=attempts, error=str(exc))
+            return
+        if sent:
+            log.info("bot.delivered", message_id=row["id"], platform=row["platform"], attempts=attempts)
+            await messages.set_delivery(self.store, row["id"], delivered=True, attempts=attempts, error=None)
+
+    async def mark_delivered(self, row: dict[str, Any]) -> None:
+        """The reply went back in the response to the request itself."""
+        await messages.set_delivery(self.store, row["id"], delivered=True, attempts=1, error=None)
+
+    # -- feedback ------------------------------------------------------------------------------------
+
+    async def react(self, message_id: str, row: dict[str, Any]) -> dict[str, Any]:
+        """A user's reaction to a reply, as feedback on the conversation's trajectory at the reply's model call."""
+        message = await messages.get(self.store, message_id)
+        if message is None or message["trajectory_id"] is None or message["model_call_seq"] is None:
+            raise APIError(404, f"No answered bot message '{message_id}'.", code="not_found")
+        row = {**row, "model_call_seq": message["model_call_seq"]}
+        await self.store.add_feedback(message["trajectory_id"], source="user", **row)
+        return {"object": "trajectory.feedback", "trajectory_id": message["trajectory_id"], "source": "user",
+                "message_id": message_id, **row}
+
+    # -- after a restart -----------------------------------------------------------------------------
+
+    async def recover(self) -> None:
+        """Carry on what a stop cut short: queued messages run, interrupted turns resume, undelivered replies go."""
+        rows = await messages.with_status(self.store, (messages.QUEUED, messages.RUNNING, messages.ANSWERED))
+        for row in rows:
+            if row["platform"] not in self.platforms:
+                continue
+            if row["status"] == messages.QUEUED:
+                self.reply_later(self.answer(row))
+            elif row["status"] == messages.RUNNING:
+                self.spawn(self._recover_running(row), cancel_on_stop=True)
+            else:
+                self.spawn(self.deliver(row), cancel_on_stop=True)
+        if rows:
+            log.info("bot.recovering", messages=len(rows))
+
+    async def _recover_running(self, row: dict[str, Any]) -> None:
+        if await self.agents.resume(row["trajectory_id"]) is not None:
+            return  # _resumed answered and delivered it
+        loaded = await self.agents.load(row["trajectory_id"])
+        if loaded is not None and loaded[0].state.status != "interrupted":
+            # The run had ended (or paused) before the stop; only its message was not updated.
+            await self.deliver(await self._answered(row["id"], loaded[0].state))
+
