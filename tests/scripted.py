@@ -12,6 +12,24 @@ from gateway.backends.base import BackendError, CallExtras, ChatRequest, ChatRes
 Reply = dict[str, Any] | str | Callable[[dict[str, Any]], dict[str, Any] | str] | BackendError
 
 
+# A config's backend entry for the scripted model; ``serve_scripted`` swaps the real backend for the script.
+SCRIPTED_BACKEND = """
+[[backends]]
+name = "scripted"
+kind = "openai"
+base_url = "http://127.0.0.1:9/v1"
+models = ["scripted-model"]
+"""
+
+
+def serve_scripted(app: Any, backend: ScriptedBackend) -> None:
+    """Make a built gateway app think with ``backend`` (configured with ``SCRIPTED_BACKEND``)."""
+    gateway = app.state.gateway
+    gateway.backends = [backend]
+    gateway.model_map.clear()  # in place: routing holds this very dict
+    gateway.model_map["scripted-model"] = backend
+
+
 def call(name: str, arguments: Any, call_id: str | None = None) -> dict[str, Any]:
     """An assistant message with one native tool call."""
     import json

@@ -110,7 +110,11 @@ class AgentService:
         """Carry on a run from the store: one paused for approval whose held calls are all decided, or one a
         restart cut off. None when there is nothing to do (yet)."""
         async with self.runs.hold(run_id):
-            loaded = await self.load(run_id)
+            try:
+                loaded = await self.load(run_id)
+            except APIError as exc:  # its profile is no longer configured
+                log.warning("agent.resume_impossible", trajectory_id=run_id, reason=exc.message)
+                return None
             if loaded is None:
                 return None
             loop = loaded[0]

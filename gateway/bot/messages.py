@@ -25,7 +25,7 @@ Statement = tuple[str, tuple[Any, ...]]
 def view(row: dict[str, Any]) -> dict[str, Any]:
     """A message as the API shows it."""
     return {"object": "bot.message", "id": row["id"], "conversation_id": row["conversation_id"],
-            "user_id": row["user_id"], "status": row["status"], "reply": row["reply"],
+            "user_id": row["user_id"], "run_id": row["trajectory_id"], "status": row["status"], "reply": row["reply"],
             "harness": orjson.loads(row["harness"]) if row["harness"] else None,
             "created_at": row["created_at"], "updated_at": row["updated_at"]}
 
@@ -39,6 +39,12 @@ async def add(store: TrajectoryStore, incoming: Incoming) -> dict[str, Any] | No
         (message_id, incoming.platform, incoming.external_id, incoming.conversation_id, incoming.user_id,
          incoming.text, incoming.callback_url, QUEUED, now, now))
     return await get(store, message_id) if added else None
+
+
+async def seen(store: TrajectoryStore, platform: str, external_id: str) -> bool:
+    """Whether the platform's message with this id is stored already (a retry)."""
+    return bool(await store.query("SELECT 1 FROM bot_messages WHERE platform = ? AND external_id = ?",
+                                  (platform, external_id)))
 
 
 async def get(store: TrajectoryStore, message_id: str) -> dict[str, Any] | None:

@@ -34,6 +34,11 @@ class Platform(Protocol):
     name: str
     profile: str  # the agent profile that answers this platform's users
 
+    @property
+    def enabled(self) -> bool:
+        """Whether it is configured; the routes of one that is not answer 404 saying what to set."""
+        ...
+
     def routes(self) -> list[BaseRoute]:
         """The HTTP routes the platform calls."""
         ...

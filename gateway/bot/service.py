@@ -21,6 +21,7 @@ from limits.strategies import MovingWindowRateLimiter
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from gateway.agent.loop import USER_TURN, Event, RunState, StepRecord
+from gateway.agent.recording import StoreRecorder
 from gateway.agent.service import AgentService
 from gateway.auth import Principal
 from gateway.bot import messages
@@ -114,6 +115,7 @@ class BotService:
             return await messages.set_outcome(self.store, message["id"], status=messages.ANSWERED, reply=SORRY)
 
     async def _first_turn(self, message: dict[str, Any], profile: str) -> dict[str, Any]:
+        """A new conversation: a new run, and the conversation pointing at it, committed with the first turn."""
         loop, recorder = self.agents.prepare(
             profile, [{"role": "user", "content": message["text"]}], self.principal, hold_for_approval=True,
             source="bot", metadata={"bot": {k: message[k] for k in ("platform", "conversation_id", "user_id")}})
@@ -126,7 +128,7 @@ class BotService:
             return await self._answered(message["id"], await loop.run())
 
     @staticmethod
-    async def _record_turn(recorder: Any, state: RunState, message: dict[str, Any],
+    async def _record_turn(recorder: StoreRecorder, state: RunState, message: dict[str, Any],
                            also: list[messages.Statement] | None = None) -> None:
         """The user turn joins the run and the message becomes ``running`` in one commit: after a crash the
         message is either still queued (and runs again) or already in the run (which resumes)."""
@@ -154,7 +156,7 @@ class BotService:
         """Send an answered message's reply through its platform, retrying with backoff; then mark it delivered
         (or failed, with the last error). A reply with nowhere to go stays answered, to be polled."""
         platform = self.platforms.get(row["platform"])
-        if row["status"] != messages.ANSWERED or platform is None:
+        if row["status"] != messages.ANSWERED or platform is None or not platform.enabled:
             return
         attempts = 0
         retrying = AsyncRetrying(stop=stop_after_attempt(self.settings.callback_attempts),
@@ -197,7 +199,8 @@ class BotService:
         """Carry on what a stop cut short: queued messages run, interrupted turns resume, undelivered replies go."""
         rows = await messages.with_status(self.store, (messages.QUEUED, messages.RUNNING, messages.ANSWERED))
         for row in rows:
-            if row["platform"] not in self.platforms:
+            platform = self.platforms.get(row["platform"])
+            if platform is None or not platform.enabled:
                 continue
             if row["status"] == messages.QUEUED:
                 self.reply_later(self.answer(row))

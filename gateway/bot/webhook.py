@@ -97,7 +97,7 @@ class WebhookPlatform:
             view["status"] = messages.DELIVERED
             return json_response(view)
         self.bot.reply_later(turn)
-        row = turn.result() if turn in done else message
+        row = turn.result() if turn in done else await messages.get(self.bot.store, message["id"]) or message
         return json_response({**messages.view(row), "poll": f"/bot/v1/messages/{message['id']}"}, status=202)
 
     async def _incoming(self, body: Any) -> Incoming:

@@ -24,7 +24,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.api.common import read_body
-from gateway.bot import wecom_crypto
+from gateway.bot import messages, wecom_crypto
 from gateway.bot.platform import DeliveryError, Incoming
 from gateway.bot.service import BotService
 from gateway.config import ConfigError, WeComSettings
@@ -138,13 +138,17 @@ class WeComPlatform:
             return Response(b"")  # joining, leaving, menu clicks: nothing to answer
         if kind != "text":
             return self._passive(user, ONLY_TEXT)
+        msg_id = message.get("MsgId")
+        # A retry is dropped before the rate limit sees it: WeCom's resending is not the user's.
+        if msg_id and await messages.seen(self.bot.store, NAME, msg_id):
+            log.info("wecom.retry_dropped", msg_id=msg_id)
+            return Response(b"")
         limited = self.bot.rate_limited(NAME, user)
         if limited:
             return self._passive(user, limited[0])
         stored = await self.bot.accept(Incoming(platform=NAME, conversation_id=user, user_id=user,
-                                                text=message.get("Content", ""), external_id=message.get("MsgId")))
-        if stored is None:
-            log.info("wecom.retry_dropped", msg_id=message.get("MsgId"))
+                                                text=message.get("Content", ""), external_id=msg_id))
+        if stored is None:  # a retry that raced the original
             return Response(b"")
         request.scope["state"]["log"].update(bot_message=stored["id"], conversation_id=user)
         self.bot.reply_later(self.bot.answer(stored))

@@ -7,17 +7,13 @@ import pytest
 
 from gateway.app import build_app
 from gateway.config import load_settings
-from tests.scripted import ScriptedBackend, call
+from tests.scripted import SCRIPTED_BACKEND, ScriptedBackend, call, serve_scripted
 from tests.standin import ServerThread
 
 CONFIG = """
 [store]
 path = "{db}"
-[[backends]]
-name = "scripted"
-kind = "openai"
-base_url = "http://127.0.0.1:9/v1"
-models = ["scripted-model"]
+""" + SCRIPTED_BACKEND + """
 [[profiles]]
 name = "calc"
 model = "scripted-model"
@@ -41,10 +37,7 @@ def serve(tmp_path: Path, script: list) -> Iterator[Served]:
     cfg.write_text(CONFIG.format(db=tmp_path / "h.db"))
     app = build_app(load_settings(cfg, environ={}))
     backend = ScriptedBackend(script)
-    gateway = app.state.gateway
-    gateway.backends = [backend]
-    gateway.model_map.clear()  # in place: routing holds this very dict
-    gateway.model_map["scripted-model"] = backend
+    serve_scripted(app, backend)
     with ServerThread(app, lifespan="on") as server:
         yield Served(server.url, backend, app)
 

@@ -19,7 +19,7 @@ from starlette.routing import Route
 from gateway.app import build_app
 from gateway.bot.signing import signed_headers
 from gateway.config import load_settings
-from tests.scripted import ScriptedBackend
+from tests.scripted import SCRIPTED_BACKEND, ScriptedBackend, serve_scripted
 from tests.standin import ServerThread
 
 SECRET = "bot-shared-secret"
@@ -30,11 +30,7 @@ path = "{db}"
 [tools]
 workspace = "{workspace}"
 approval_poll_seconds = 0.2
-[[backends]]
-name = "scripted"
-kind = "openai"
-base_url = "http://127.0.0.1:9/v1"
-models = ["scripted-model"]
+""" + SCRIPTED_BACKEND + """
 [[profiles]]
 name = "helper"
 model = "scripted-model"
@@ -56,10 +52,11 @@ class BotGateway:
     def __init__(self, url: str, backend: ScriptedBackend, app: Any) -> None:
         self.url, self.backend, self.app = url, backend, app
 
-    def post(self, path: str, body: Any, *, headers: dict[str, str] | None = None, **kw: Any) -> httpx.Response:
+    def post(self, path: str, body: Any, *, client: httpx.Client | None = None) -> httpx.Response:
+        """A request signed with the bot's secret."""
         raw = orjson.dumps(body)
-        signed = signed_headers(SECRET.encode(), raw, time.time())
-        return httpx.post(self.url + path, content=raw, headers={**signed, **(headers or {})}, timeout=30, **kw)
+        return (client or httpx).post(self.url + path, content=raw, timeout=30,
+                                      headers=signed_headers(SECRET.encode(), raw, time.time()))
 
     def get(self, path: str) -> httpx.Response:
         return httpx.get(self.url + path, headers=signed_headers(SECRET.encode(), b"", time.time()), timeout=30)
@@ -78,10 +75,7 @@ def bot_gateway(tmp_path: Path, script: list, *, sync: float = 10.0, rate: int =
     app = build_app(load_settings(cfg, environ={"HARNESS_BOT_SECRET": SECRET, "HARNESS_ADMIN_KEY": ADMIN,
                                                 **(env or {})}))
     backend = ScriptedBackend(script, delay=delay)
-    gateway = app.state.gateway
-    gateway.backends = [backend]
-    gateway.model_map.clear()  # in place: routing holds this very dict
-    gateway.model_map["scripted-model"] = backend
+    serve_scripted(app, backend)
     with ServerThread(app, lifespan="on") as server:
         yield BotGateway(server.url, backend, app)
 

@@ -79,14 +79,15 @@ def test_a_slow_reply_is_202_then_a_signed_callback_retried_until_the_receiver_r
         accepted = gw.post("/bot/v1/messages", _message("Take your time.", callback_url=hook.url + "/hook"))
         assert accepted.status_code == 202, accepted.text
         body = accepted.json()
-        assert body["status"] in ("queued", "running") and body["poll"] == f"/bot/v1/messages/{body['id']}"
+        assert body["status"] == "running" and body["poll"] == f"/bot/v1/messages/{body['id']}"
+        assert body["run_id"] and body["reply"] is None  # the run is under way: the trajectory it grows
         receiver.wait(3)
         headers, payload = receiver.requests[-1]
         # the receiver can check the callback is ours
         verify(SECRET.encode(), headers, payload, time.time(), 300)
         delivered = orjson.loads(payload)
-        assert (delivered["id"], delivered["reply"], delivered["conversation_id"]) == (
-            body["id"], "Here is the slow answer.", "c-1")
+        assert (delivered["id"], delivered["reply"], delivered["conversation_id"], delivered["run_id"]) == (
+            body["id"], "Here is the slow answer.", "c-1", body["run_id"])
         assert delivered["harness"]["status"] == "completed"
         assert len({h["x-harness-nonce"] for h, _ in receiver.requests}) == 3  # each try signed afresh
         deadline = time.monotonic() + 5
@@ -172,3 +173,30 @@ def test_messages_cut_off_by_a_restart_are_answered_after_it(tmp_path) -> None:
             assert [m["content"] for m in gw.backend.requests[1]["messages"] if m["role"] != "system"] == [
                 "first", "answer to first", "second"]
     assert db.execute("SELECT status FROM bot_messages").fetchall() == [("delivered",), ("delivered",)]
+
+
+def test_a_long_conversation_is_kept_inside_its_budget_by_summaries(tmp_path) -> None:
+    from gateway.agent.context import SUMMARY_INSTRUCTIONS, SUMMARY_PREFIX, approximate_tokens
+
+    def respond(body: dict) -> str:
+        if body["messages"][0]["content"] == SUMMARY_INSTRUCTIONS:
+            return "The user described their week, day by day."
+        return "Noted: " + body["messages"][-1]["content"][:40]
+
+    budget = 300
+    with bot_gateway(tmp_path, [respond] * 30, env={"HARNESS_PROFILES__0__CONTEXT_BUDGET_TOKENS": str(budget),
+                                                    "HARNESS_PROFILES__0__KEEP_LAST_TURNS": "1"}) as gw:
+        runs = {gw.post("/bot/v1/messages", _message(f"Day {day}: " + "busy with meetings and reviews. " * 12)
+                        ).json()["harness"]["trajectory_id"] for day in range(1, 7)}
+        answers = [r for r in gw.backend.requests if r["messages"][0]["content"] != SUMMARY_INSTRUCTIONS]
+    assert len(runs) == 1  # one conversation, one trajectory, however long
+    assert len(answers) == 6 and len(gw.backend.requests) > 6  # summaries were made along the way
+    last = answers[-1]["messages"]
+    assert any(m["content"].startswith(SUMMARY_PREFIX + "The user described") for m in last if m["role"] == "user")
+    assert last[-1]["content"].startswith("Day 6:")
+    # the whole talk is well past the budget, each answer's context stayed near it (the last turn is kept whole)
+    assert approximate_tokens([r["messages"][-1] for r in answers]) > 1.5 * budget
+    assert max(approximate_tokens(r["messages"]) for r in answers) < 1.5 * budget
+    db = sqlite3.connect(tmp_path / "h.db")
+    purposes = [orjson.loads(p)["purpose"] for (p,) in db.execute("SELECT params FROM model_calls ORDER BY seq")]
+    assert purposes.count("summary") >= 1 and purposes.count("step") == 6

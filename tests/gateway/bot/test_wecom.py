@@ -74,7 +74,8 @@ def _inner(text: str, msg_id: str, user: str = "zhangsan", kind: str = "text") -
             f"<Content><![CDATA[{text}]]></Content><MsgId>{msg_id}</MsgId><AgentID>1000002</AgentID></xml>")
 
 
-def _post(url: str, inner: str, nonce: str = "1372623149", crypto: WeChatCrypto = CRYPTO) -> httpx.Response:
+def _post(url: str, inner: str, nonce: str = "1372623149", crypto: WeChatCrypto = CRYPTO,
+          client: httpx.Client | None = None) -> httpx.Response:
     """What WeCom sends: the encrypted message in an XML envelope, its signature in the query."""
     timestamp = str(int(time.time()))
     envelope = crypto.encrypt_message(inner, nonce, timestamp)
@@ -82,8 +83,8 @@ def _post(url: str, inner: str, nonce: str = "1372623149", crypto: WeChatCrypto 
     encrypt = re.search(r"<Encrypt><!\[CDATA\[(.*?)\]\]>", envelope).group(1)
     body = (f"<xml><ToUserName><![CDATA[{CORP_ID}]]></ToUserName><Encrypt><![CDATA[{encrypt}]]></Encrypt>"
             f"<AgentID><![CDATA[1000002]]></AgentID></xml>")
-    return httpx.post(url + "/bot/wecom/callback", content=body.encode(), timeout=10,
-                      params={"msg_signature": signature, "timestamp": timestamp, "nonce": nonce})
+    return (client or httpx).post(url + "/bot/wecom/callback", content=body.encode(), timeout=10,
+                                  params={"msg_signature": signature, "timestamp": timestamp, "nonce": nonce})
 
 
 def _passive_text(response: httpx.Response) -> str:
@@ -135,6 +136,7 @@ def test_non_text_messages_and_rate_limits_get_a_passive_reply(tmp_path) -> None
     with bot_gateway(tmp_path, ["a", "b"], rate=1, **_wecom("http://127.0.0.1:9")) as gw:
         assert _passive_text(_post(gw.url, _inner("", "5", kind="image"))) == "I can only read text messages."
         assert _post(gw.url, _inner("one", "6")).content == b""
+        assert _post(gw.url, _inner("one", "6"), nonce="2").content == b""  # WeCom's retry is not the user's
         assert "too fast" in _passive_text(_post(gw.url, _inner("two", "7")))
         event = _post(gw.url, _inner("", "8", kind="event"))
         assert event.status_code == 200 and event.content == b""
