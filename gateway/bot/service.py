@@ -178,7 +178,7 @@ class BotService:
             await messages.set_delivery(self.store, row["id"], delivered=True, attempts=attempts, error=None)
 
     async def mark_delivered(self, row: dict[str, Any]) -> None:
-        """The reply went back in the response to the request itself."""
+        """The reply went back another way: in the response to the request itself, or to a poll."""
         await messages.set_delivery(self.store, row["id"], delivered=True, attempts=1, error=None)
 
     # -- feedback ------------------------------------------------------------------------------------

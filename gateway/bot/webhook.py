@@ -129,6 +129,9 @@ class WebhookPlatform:
         row = await messages.get(self.bot.store, request.path_params["message_id"])
         if row is None or row["platform"] != NAME:
             raise APIError(404, f"No bot message '{request.path_params['message_id']}'.", code="not_found")
+        if row["status"] == messages.ANSWERED and not row["callback_url"]:
+            await self.bot.mark_delivered(row)  # polling was its way out
+            row = {**row, "status": messages.DELIVERED}
         return json_response(messages.view(row))
 
     async def react(self, request: Request) -> Response:

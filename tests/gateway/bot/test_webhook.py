@@ -99,6 +99,20 @@ def test_a_slow_reply_is_202_then_a_signed_callback_retried_until_the_receiver_r
     assert db.execute("SELECT attempts, error FROM bot_messages").fetchone() == (3, None)
 
 
+def test_without_a_callback_the_reply_is_polled(tmp_path) -> None:
+    with bot_gateway(tmp_path, ["Polled answer."], sync=0.1, delay=0.5) as gw:
+        accepted = gw.post("/bot/v1/messages", _message("hello"))
+        assert accepted.status_code == 202
+        first = gw.get(accepted.json()["poll"]).json()
+        assert (first["status"], first["reply"]) == ("running", None)
+        deadline = time.monotonic() + 10
+        while (polled := gw.get(accepted.json()["poll"]).json())["reply"] is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert (polled["status"], polled["reply"]) == ("delivered", "Polled answer.")
+    assert sqlite3.connect(tmp_path / "h.db").execute("SELECT status FROM bot_messages").fetchone() == ("delivered",)
+
+
 def test_callbacks_must_pass_the_ssrf_guard_unless_allow_listed(tmp_path) -> None:
     with bot_gateway(tmp_path, ["hi"], extra='callback_allow_hosts = ["hooks.example"]') as gw:
         gw.app.state.gateway.bot.platforms["webhook"].guard._networks = []  # no loopback allowance
