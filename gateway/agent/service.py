@@ -96,12 +96,17 @@ class AgentService:
         return loop, recorder
 
     async def load(self, run_id: str) -> tuple[AgentLoop, StoreRecorder] | None:
-        """The run the store holds, ready to go on in the background (it may pause for approval again)."""
+        """The run the store holds, ready to go on in the background (it may pause for approval again); None when
+        there is none, or its profile is no longer configured."""
         row = await self.store.agent_run(run_id)
         if row is None or not row["state"]:
             return None
+        profile = self.profiles.get(row["profile"])
+        if profile is None:
+            log.warning("agent.profile_gone", trajectory_id=run_id, profile=row["profile"])
+            return None
         state = RunState.from_dict(orjson.loads(row["state"]))
-        loop, recorder = self._loop(self.profile(row["profile"]), state, tenant=row["tenant"], key_id=row["key_id"],
+        loop, recorder = self._loop(profile, state, tenant=row["tenant"], key_id=row["key_id"],
                                     source=row["source"], hold_for_approval=True)
         loop.cancelled_as = ("interrupted", None)
         return loop, recorder
@@ -110,11 +115,7 @@ class AgentService:
         """Carry on a run from the store: one paused for approval whose held calls are all decided, or one a
         restart cut off. None when there is nothing to do (yet)."""
         async with self.runs.hold(run_id):
-            try:
-                loaded = await self.load(run_id)
-            except APIError as exc:  # its profile is no longer configured
-                log.warning("agent.resume_impossible", trajectory_id=run_id, reason=exc.message)
-                return None
+            loaded = await self.load(run_id)
             if loaded is None:
                 return None
             loop = loaded[0]

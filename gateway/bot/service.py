@@ -100,7 +100,8 @@ class BotService:
                     return await self._first_turn(message, platform.profile)
                 async with self.agents.runs.hold(run_id):
                     loaded = await self.agents.load(run_id)
-                    assert loaded is not None
+                    if loaded is None:  # its profile was removed: the conversation starts afresh with today's
+                        return await self._first_turn(message, platform.profile)
                     loop, recorder = loaded
                     if loop.state.status == "pending_approval":
                         calls = ", ".join(held["name"] for held in loop.state.pending)
@@ -197,14 +198,16 @@ class BotService:
 
     async def recover(self) -> None:
         """Carry on what a stop cut short: queued messages run, interrupted turns resume, undelivered replies go."""
-        rows = await messages.with_status(self.store, (messages.QUEUED, messages.RUNNING, messages.ANSWERED))
+        rows = await messages.with_status(self.store, (messages.QUEUED, messages.RUNNING, messages.PENDING_APPROVAL,
+                                                       messages.ANSWERED))
         for row in rows:
             platform = self.platforms.get(row["platform"])
             if platform is None or not platform.enabled:
                 continue
             if row["status"] == messages.QUEUED:
                 self.reply_later(self.answer(row))
-            elif row["status"] == messages.RUNNING:
+            elif row["status"] in (messages.RUNNING, messages.PENDING_APPROVAL):
+                # Also a paused turn: the stop may have cut short the run it was resumed into after approval.
                 self.spawn(self._recover_running(row), cancel_on_stop=True)
             else:
                 self.spawn(self.deliver(row), cancel_on_stop=True)
@@ -215,7 +218,7 @@ class BotService:
         if await self.agents.resume(row["trajectory_id"]) is not None:
             return  # _resumed answered and delivered it
         loaded = await self.agents.load(row["trajectory_id"])
-        if loaded is not None and loaded[0].state.status != "interrupted":
-            # The run had ended (or paused) before the stop; only its message was not updated.
+        if loaded is not None and loaded[0].state.status not in ("interrupted", "pending_approval"):
+            # The run had ended before the stop; only its message was not updated.
             await self.deliver(await self._answered(row["id"], loaded[0].state))
 

@@ -214,3 +214,13 @@ def test_a_long_conversation_is_kept_inside_its_budget_by_summaries(tmp_path) ->
     db = sqlite3.connect(tmp_path / "h.db")
     purposes = [orjson.loads(p)["purpose"] for (p,) in db.execute("SELECT params FROM model_calls ORDER BY seq")]
     assert purposes.count("summary") >= 1 and purposes.count("step") == 6
+
+
+def test_a_conversation_whose_profile_was_removed_starts_afresh(tmp_path) -> None:
+    with bot_gateway(tmp_path, ["first answer"]) as gw:
+        before = gw.post("/bot/v1/messages", _message("hello")).json()["harness"]["trajectory_id"]
+    renamed = {"HARNESS_PROFILES__0__NAME": "helper2", "HARNESS_BOT__PROFILE": "helper2"}
+    with bot_gateway(tmp_path, ["fresh answer"], env=renamed) as gw:
+        again = gw.post("/bot/v1/messages", _message("hello again")).json()
+        assert again["reply"] == "fresh answer" and again["harness"]["trajectory_id"] != before
+        assert [m["role"] for m in gw.backend.requests[0]["messages"]] == ["system", "user"]
