@@ -79,7 +79,7 @@ def _decide(approval_id: str, approve: bool, reason: str | None, config: str | N
         if row is None:
             fail(f"no approval {approval_id}")
         if not changed:
-            fail(f"approval {approval_id} is already {'expired' if row['status'] == 'pending' else row['status']}")
+            fail(approvals.refusal(row))
     if as_json:
         typer.echo(orjson.dumps(row).decode())
         return

@@ -51,6 +51,11 @@ async def decide(store: TrajectoryStore, approval_id: str, *, approve: bool, rea
     return await get_approval(store, approval_id), bool(changed)
 
 
+def refusal(row: dict[str, Any]) -> str:
+    """Why a decision on ``row`` changed nothing: it was decided already, or it expired (maybe not yet swept)."""
+    return f"Approval {row['id']} is already {'expired' if row['status'] == PENDING else row['status']}."
+
+
 async def expire(store: TrajectoryStore, now: float) -> int:
     return await store.execute("UPDATE approvals SET status = ?, decided_at = ? WHERE status = 'pending' "
                                "AND expires_at <= ?", (EXPIRED, now, now))

@@ -142,8 +142,7 @@ class AgentService:
         if row is None:
             raise APIError(404, f"No approval '{approval_id}'.", code="not_found")
         if not changed:
-            status = "expired" if row["status"] == approvals.PENDING else row["status"]
-            raise APIError(409, f"Approval '{approval_id}' is already {status}.", code="already_decided")
+            raise APIError(409, approvals.refusal(row), code="already_decided")
         self._resume_later(row["trajectory_id"])
         return row
 
