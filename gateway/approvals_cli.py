@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import getpass
 import time
-from datetime import UTC, datetime
 from typing import Any
 
 import orjson
@@ -24,6 +23,7 @@ from gateway.cli_support import (
     JsonOption,
     call_gateway,
     fail,
+    format_time,
     settings_or_exit,
     with_store,
 )
@@ -32,10 +32,6 @@ app = typer.Typer(help="Tool calls waiting for a person's approval.", no_args_is
 console = Console()
 
 StatusOption = typer.Option("pending", help="pending, approved, denied, expired or all.")
-
-
-def _time(ts: float | None) -> str:
-    return datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%d %H:%M:%S") if ts else ""
 
 
 def _arguments(row: dict[str, Any]) -> str:
@@ -63,7 +59,7 @@ def list_approvals(status: str = StatusOption, config: str | None = ConfigOption
     table = Table("id", "tool", "arguments", "run", "profile", "status", "created", "expires")
     for r in rows:
         table.add_row(r["id"], r["tool"], _arguments(r), r["trajectory_id"], r["profile"], r["status"],
-                      _time(r["created_at"]), _time(r["expires_at"]))
+                      format_time(r["created_at"]), format_time(r["expires_at"]))
     console.print(table)
 
 

@@ -16,7 +16,7 @@ from rich.table import Table
 from gateway.adapters.cli import app as adapters_app
 from gateway.approvals_cli import app as approvals_app
 from gateway.auth import hash_secret, new_secret
-from gateway.cli_support import ConfigOption, settings_or_exit, with_store
+from gateway.cli_support import ConfigOption, format_time, settings_or_exit, with_store
 from gateway.config import ConfigError
 from replay.cli import app as replay_app
 from training.cli import register as register_training_commands
@@ -165,7 +165,7 @@ def keys_list(config: str | None = ConfigOption,
     for r in rows:
         table.add_row(r["id"], r["tenant"], r["name"] or "", "yes" if r["capture"] else "no",
                       r["default_model"] or "", "yes" if r["allow_model_override"] else "no",
-                      _time(r["created_at"]), _time(r["revoked_at"]) if r["revoked_at"] else "")
+                      format_time(r["created_at"]), format_time(r["revoked_at"]) if r["revoked_at"] else "")
     console.print(table)
 
 
@@ -176,10 +176,6 @@ def keys_revoke(key_id: str, config: str | None = ConfigOption) -> None:
         typer.echo(f"error: no active key with id {key_id}", err=True)
         raise typer.Exit(1)
     typer.echo(f"revoked {key_id}")
-
-
-def _time(ts: float | None) -> str:
-    return datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%d %H:%M:%S") if ts else ""
 
 
 @traj_app.command("list")
@@ -196,7 +192,7 @@ def trajectories_list(config: str | None = ConfigOption,
     table = Table("created", "source", "tenant", "model", "status", "calls", "msgs", "tokens", "parent")
     table.add_column("id", no_wrap=True)
     for r in rows:
-        table.add_row(_time(r["created_at"]), r["source"], r["tenant"] or "", r["requested_model"] or "",
+        table.add_row(format_time(r["created_at"]), r["source"], r["tenant"] or "", r["requested_model"] or "",
                       r["status"], str(r["n_calls"]), str(r["message_count"]),
                       str(r["prompt_tokens"] + r["completion_tokens"]), r["parent_id"] or "", r["id"])
     console.print(table)
@@ -221,7 +217,7 @@ def _print_timeline(t: dict[str, Any]) -> None:
                   f"tenant={t['tenant'] or '-'}  calls={t['n_calls']}  parent={t['parent_id'] or '-'}")
     seen = 0
     for call in t["calls"]:
-        console.print(f"\n[dim]── call {call['seq']} · {_time(call['created_at'])} · {call['backend']} · "
+        console.print(f"\n[dim]── call {call['seq']} · {format_time(call['created_at'])} · {call['backend']} · "
                       f"{call['status']} · {call['latency_ms']:.0f} ms · "
                       f"{call['prompt_tokens']}+{call['completion_tokens']} tokens[/dim]")
         messages = call["request"]["messages"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from typing import Any, NoReturn, TypeVar
 
 import httpx
@@ -27,6 +28,11 @@ def fail(message: str, code: int = 1) -> NoReturn:
     """Print ``error: message`` to stderr and exit: 1 for a failed action, 2 for a usage or config problem."""
     err_console.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def format_time(ts: float | None) -> str:
+    """A stored unix time as UTC for tables; empty for none."""
+    return datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%d %H:%M:%S") if ts else ""
 
 
 def settings_or_exit(config: str | None) -> Settings:

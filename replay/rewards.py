@@ -21,14 +21,14 @@ data and configuration the results are the same.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import orjson
 
 from gateway.agent.limits import MAX_STEPS
-from gateway.config import RewardSettings
+from gateway.config import ProfileSettings, RewardSettings
 from replay.filters import Filters
 from replay.signals import (
     DEFAULT_STEP_LIMIT,
@@ -88,6 +88,11 @@ class RewardSummary:
 
 
 # -- weights and scoring -----------------------------------------------------------------------------
+
+
+def step_limits(profiles: Iterable[ProfileSettings]) -> dict[str, int]:
+    """Each agent profile's ``max_steps``, by name: what the efficiency signal scales an agent run's steps by."""
+    return {p.name: p.max_steps for p in profiles}
 
 
 def signal_weights(settings: RewardSettings | Mapping[str, float]) -> dict[str, float]:

@@ -27,7 +27,7 @@ from gateway.cli_support import ConfigOption, err_console, fail, settings_or_exi
 from gateway.logging import configure_logging
 from replay.filters import Filters
 from replay.readonly import StoreError, check_file
-from replay.rewards import RewardError, RewardSummary, recompute, signal_weights
+from replay.rewards import RewardError, RewardSummary, recompute, signal_weights, step_limits
 from replay.store import TrajectoryStore
 
 StoreOption = typer.Option(None, "--store", help="The SQLite store (default: \\[store] path from the config).")
@@ -55,7 +55,7 @@ def rewards(filters: Filters, config: str | None = ConfigOption, store: str | No
         check_file(path)  # never create a store where there is none
     except StoreError as exc:
         fail(str(exc))
-    step_limits = {p.name: p.max_steps for p in settings.profiles}
+    limits = step_limits(settings.profiles)
 
     async def main() -> RewardSummary:
         trajectories = TrajectoryStore(path, synchronous=settings.store.synchronous)
@@ -64,7 +64,7 @@ def rewards(filters: Filters, config: str | None = ConfigOption, store: str | No
             with Progress(TextColumn("scoring"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                           console=err_console, transient=True, disable=not err_console.is_terminal) as progress:
                 task = progress.add_task("rewards", total=None)
-                return await recompute(trajectories, filters, settings.rewards, step_limits=step_limits,
+                return await recompute(trajectories, filters, settings.rewards, step_limits=limits,
                                        progress=lambda done, n: progress.update(task, completed=done, total=n))
         finally:
             await trajectories.close()

@@ -697,21 +697,30 @@ class TrajectoryStore:
         """One statement in a transaction of its own, committed before this returns; the rows it changed."""
         return (await self.transaction([(sql, args)]))[0]
 
+    async def execute_returning(self, sql: str, args: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
+        """Like ``execute``, for a statement with a ``RETURNING`` clause: the rows it returned."""
+        return (await asyncio.shield(self._transaction([(sql, args)], returning=True)))[0]
+
     async def transaction(self, statements: list[tuple[str, tuple[Any, ...]]]) -> list[int]:
         """Statements committed together on the writer connection; the rows each changed. Shielded: a caller
         cancelled half-way must not leave a transaction open, which would lock every later write out."""
         return await asyncio.shield(self._transaction(statements))
 
-    async def _transaction(self, statements: list[tuple[str, tuple[Any, ...]]]) -> list[int]:
+    async def _transaction(self, statements: list[tuple[str, tuple[Any, ...]]], *,
+                           returning: bool = False) -> list[Any]:
+        """Each statement's row count, or with ``returning`` the rows it returned."""
         assert self._writer is not None
+        out: list[Any] = []
         async with self._write_lock:
             try:
-                counts = [(await self._writer.execute(sql, args)).rowcount for sql, args in statements]
+                for sql, args in statements:
+                    cur = await self._writer.execute(sql, args)
+                    out.append([dict(row) for row in await cur.fetchall()] if returning else cur.rowcount)
                 await self._writer.commit()
             except BaseException:
                 await self._writer.rollback()
                 raise
-        return counts
+        return out
 
     async def mark_runs(self, *, from_status: str, to_status: str, at: float) -> int:
         counts = await self.transaction([

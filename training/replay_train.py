@@ -41,7 +41,7 @@ from gateway.adapters.registry import AdapterRegistry, AdapterVersion
 from gateway.backends.local_model import load_tokenizer
 from gateway.config import Settings
 from replay.filters import Filters
-from replay.rewards import recompute, signal_weights
+from replay.rewards import recompute, signal_weights, step_limits
 from replay.store import TrajectoryStore
 from training import data
 from training.evaluate import Evaluator, write_reports
@@ -106,7 +106,7 @@ async def replay_train(settings: Settings, filters: Filters, *, mode: str = "sft
         stage("select", f"{len(selected)} trajectories")
         if selected:
             summary = await recompute(store, unbounded, settings.rewards,
-                                      step_limits={p.name: p.max_steps for p in settings.profiles})
+                                      step_limits=step_limits(settings.profiles))
             mean = "-" if summary.mean_reward is None else f"{summary.mean_reward:.3f}"
             stage("reward", f"{summary.count} scored, mean reward {mean}")
     finally:
@@ -222,7 +222,7 @@ async def _rl(settings: Settings, selected: list[str], start: Path | None, evalu
     try:
         captured, stats = await groups_from_store(
             store, selected, signal_weights(settings.rewards), base_model=training.base_model,
-            step_limits={p.name: p.max_steps for p in settings.profiles})
+            step_limits=step_limits(settings.profiles))
         captured = [g for g in captured if g.task_id not in test_tasks]
         stage("groups", stats.describe())
         batches = similar_batches(captured, rl.tasks_per_step, training.seed)

@@ -30,7 +30,6 @@ temperature sampled the tokens. CUDA runs with bf16 autocast over float32 weight
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import shutil
@@ -47,7 +46,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from training.metrics import rank
-from training.sft import SFTConfig, seed_everything, smooth, wrap_lora
+from training.sft import SFTConfig, append_jsonl, seed_everything, smooth, wrap_lora
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -127,14 +126,7 @@ def group_advantages(rewards: Sequence[float], algorithm: Literal["grpo", "rloo"
 def process_advantages(group: Group) -> dict[tuple[str, int], float]:
     """Each scored step's process reward, normalised over all the group's scored steps: (trajectory, seq) -> value."""
     steps = [((t.id, seq), value) for t in group.trajectories for seq, value in t.step_rewards.items()]
-    values = [v for _, v in steps]
-    if len(values) < 2:
-        return {}
-    mean = math.fsum(values) / len(values)
-    std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (len(values) - 1))
-    if len(set(values)) <= 1:
-        return {}
-    return {key: (value - mean) / (std + EPS) for key, value in steps}
+    return dict(zip([key for key, _ in steps], group_advantages([v for _, v in steps], "grpo"), strict=True))
 
 
 def assign_advantages(groups: Sequence[Group], algorithm: Literal["grpo", "rloo"], process_coef: float) -> None:
@@ -251,7 +243,7 @@ def update(model: PeftModel, samples: Sequence[Sample], optimizer: torch.optim.O
     total = sum(len(s.completion_ids) for s in samples)
     # Micro-batches of similar length: little padding.
     ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
-    sums = {"loss": 0.0, "kl": 0.0, "ratio": 0.0, "clipped": 0.0, "tokens": 0.0}
+    sums = {"loss": 0.0, "kl": 0.0, "ratio": 0.0, "clipped": 0.0}
     started = time.perf_counter()
     seen = 0
     for start in range(0, len(ordered), batch_size):
@@ -268,7 +260,6 @@ def update(model: PeftModel, samples: Sequence[Sample], optimizer: torch.optim.O
         sums["kl"] += parts.kl
         sums["ratio"] += parts.ratio
         sums["clipped"] += parts.clipped
-        sums["tokens"] += parts.tokens
         del logprobs, reference, parts
     torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     optimizer.step()
@@ -366,7 +357,7 @@ def train_rl(loaded: LoadedModel, config: RLConfig, out_dir: Path, *, steps: int
     first = _save(model, out_dir / "checkpoint-0")
     result = RLResult(best=first, best_step=0, checkpoints=[first], history=[], validations=[], model=model)
     watch.judge(0, first, validate(first), result)
-    _append(metrics_path, {"step": 0, "validation": result.validations[-1]})
+    append_jsonl(metrics_path, {"step": 0, "validation": result.validations[-1]})
 
     bar = tqdm(total=steps, desc="rl", unit="step", disable=not sys.stderr.isatty())
     for step in range(1, steps + 1):
@@ -398,7 +389,7 @@ def train_rl(loaded: LoadedModel, config: RLConfig, out_dir: Path, *, steps: int
                 _restore(model, result.best)
                 optimizer = new_optimizer()
         result.history.append(line)
-        _append(metrics_path, line)
+        append_jsonl(metrics_path, line)
         log.info("rl.step", **{k: v for k, v in line.items() if k != "validation"})
         bar.update(1)
         bar.set_postfix(reward=f"{line['reward']:.3f}" if line["reward"] is not None else "-",
@@ -491,11 +482,6 @@ def _restore(model: PeftModel, folder: Path) -> None:
 
     device = next(p.device for p in model.parameters() if p.requires_grad)
     set_peft_model_state_dict(model, load_peft_weights(str(folder), device=str(device)))
-
-
-def _append(path: Path, record: dict[str, Any]) -> None:
-    with path.open("a", encoding="utf-8") as fh:
-        fh.write(json.dumps(record, default=str) + "\n")
 
 
 def plot_rl(result: RLResult, path: Path) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 import structlog
 
 from gateway.config import Settings
-from replay.rewards import IN_FLIGHT, load_view, result_statements, score, signal_weights
+from replay.rewards import IN_FLIGHT, load_view, result_statements, score, signal_weights, step_limits
 from replay.store import TrajectoryStore, WriteOp, new_id
 from training.capture import label_episodes, store_recorder
 from training.evaluate import Evaluator
@@ -159,7 +159,7 @@ class Rollouts:
         self.picker = TaskPicker(self.tasks, settings.training.seed)
         self.rng = random.Random(settings.training.seed + 1)
         self.weights = signal_weights(settings.rewards)
-        self.step_limits = {p.name: p.max_steps for p in settings.profiles}
+        self.step_limits = step_limits(settings.profiles)
         self.stats = GroupStats()
         self.episodes = 0
         self.seconds = 0.0

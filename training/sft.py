@@ -243,7 +243,7 @@ def train_sft(base_model_path: str | None, examples: list[Example], config: SFTC
             window_tokens, window_seconds, window_losses = 0, 0.0, []
             if step in saves:
                 line.update(_checkpoint(model, out_dir, step, validate, result))
-            _append(metrics_path, line)
+            append_jsonl(metrics_path, line)
             result.metrics.append(line)
             log.info("sft.progress", **{k: v for k, v in line.items() if not isinstance(v, dict)})
             if step in saves and on_checkpoint is not None:
@@ -279,7 +279,7 @@ def _checkpoint(model: PeftModel, out_dir: Path, step: int, validate: Validate |
     return record
 
 
-def _append(path: Path, record: dict[str, Any]) -> None:
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     with path.open("a", encoding="utf-8") as fh:
         fh.write(json.dumps(record, default=str) + "\n")
 

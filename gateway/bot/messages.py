@@ -32,13 +32,13 @@ def view(row: dict[str, Any]) -> dict[str, Any]:
 
 async def add(store: TrajectoryStore, incoming: Incoming) -> dict[str, Any] | None:
     """Store a new message as ``queued``; None when the platform already sent one with this external id."""
-    now, message_id = time.time(), new_id()
-    added = await store.execute(
+    now = time.time()
+    added = await store.execute_returning(
         """INSERT OR IGNORE INTO bot_messages(id, platform, external_id, conversation_id, user_id, text, callback_url,
-               status, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
-        (message_id, incoming.platform, incoming.external_id, incoming.conversation_id, incoming.user_id,
+               status, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING *""",
+        (new_id(), incoming.platform, incoming.external_id, incoming.conversation_id, incoming.user_id,
          incoming.text, incoming.callback_url, QUEUED, now, now))
-    return await get(store, message_id) if added else None
+    return added[0] if added else None
 
 
 async def seen(store: TrajectoryStore, platform: str, external_id: str) -> bool:
@@ -86,17 +86,17 @@ def running_statement(message_id: str, trajectory_id: str) -> Statement:
 
 async def set_outcome(store: TrajectoryStore, message_id: str, *, status: str, reply: str | None = None,
                       harness: dict[str, Any] | None = None, model_call_seq: int | None = None) -> dict[str, Any]:
-    await store.execute(
+    [row] = await store.execute_returning(
         """UPDATE bot_messages SET status = ?, reply = COALESCE(?, reply), harness = COALESCE(?, harness),
-               model_call_seq = COALESCE(?, model_call_seq), updated_at = ? WHERE id = ?""",
+               model_call_seq = COALESCE(?, model_call_seq), updated_at = ? WHERE id = ? RETURNING *""",
         (status, reply, orjson.dumps(harness).decode() if harness else None, model_call_seq, time.time(),
          message_id))
-    row = await get(store, message_id)
-    assert row is not None
     return row
 
 
 async def set_delivery(store: TrajectoryStore, message_id: str, *, delivered: bool, attempts: int,
-                       error: str | None) -> None:
-    await store.execute("UPDATE bot_messages SET status = ?, attempts = attempts + ?, error = ?, updated_at = ? "
-                        "WHERE id = ?", (DELIVERED if delivered else FAILED, attempts, error, time.time(), message_id))
+                       error: str | None) -> dict[str, Any]:
+    [row] = await store.execute_returning(
+        "UPDATE bot_messages SET status = ?, attempts = attempts + ?, error = ?, updated_at = ? WHERE id = ? "
+        "RETURNING *", (DELIVERED if delivered else FAILED, attempts, error, time.time(), message_id))
+    return row

@@ -50,10 +50,11 @@ class BotService:
         self.platforms: dict[str, Platform] = {}
         self.principal = Principal(key_id=None, tenant=settings.tenant)
         self.conversations = KeyedLock()
-        self._limiter = MovingWindowRateLimiter(MemoryStorage())
-        self._limit = (RateLimitItemPerSecond(settings.rate_limit_messages,
-                                              max(1, math.ceil(settings.rate_limit_window_seconds)))
-                       if settings.rate_limit_messages else None)
+        self._limit: tuple[MovingWindowRateLimiter, RateLimitItemPerSecond] | None = None
+        if settings.rate_limit_messages:
+            self._limit = (MovingWindowRateLimiter(MemoryStorage()),
+                           RateLimitItemPerSecond(settings.rate_limit_messages,
+                                                  max(1, math.ceil(settings.rate_limit_window_seconds))))
         agents.on_finish.append(self._resumed)
 
     def add(self, platform: Platform) -> None:
@@ -67,9 +68,12 @@ class BotService:
 
     def rate_limited(self, platform: str, user_id: str) -> tuple[str, int] | None:
         """The reply to a user past the limit and the seconds until they may send again, or None."""
-        if self._limit is None or self._limiter.hit(self._limit, platform, user_id):
+        if self._limit is None:
             return None
-        reset = self._limiter.get_window_stats(self._limit, platform, user_id).reset_time
+        limiter, limit = self._limit
+        if limiter.hit(limit, platform, user_id):
+            return None
+        reset = limiter.get_window_stats(limit, platform, user_id).reset_time
         wait = max(1, math.ceil(reset - time.time()))
         return (f"You are sending messages too fast: at most {self.settings.rate_limit_messages} every "
                 f"{self.settings.rate_limit_window_seconds:g} s. Try again in {wait} s.", wait)
@@ -178,9 +182,9 @@ class BotService:
             log.info("bot.delivered", message_id=row["id"], platform=row["platform"], attempts=attempts)
             await messages.set_delivery(self.store, row["id"], delivered=True, attempts=attempts, error=None)
 
-    async def mark_delivered(self, row: dict[str, Any]) -> None:
+    async def mark_delivered(self, row: dict[str, Any]) -> dict[str, Any]:
         """The reply went back another way: in the response to the request itself, or to a poll."""
-        await messages.set_delivery(self.store, row["id"], delivered=True, attempts=1, error=None)
+        return await messages.set_delivery(self.store, row["id"], delivered=True, attempts=1, error=None)
 
     # -- feedback ------------------------------------------------------------------------------------
 

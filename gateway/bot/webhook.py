@@ -91,11 +91,7 @@ class WebhookPlatform:
         turn = self.bot.answer(message)
         done, _ = await asyncio.wait({turn}, timeout=self.settings.sync_timeout_seconds)
         if turn in done and turn.result()["status"] == messages.ANSWERED:
-            row = turn.result()
-            await self.bot.mark_delivered(row)
-            view = messages.view(row)
-            view["status"] = messages.DELIVERED
-            return json_response(view)
+            return json_response(messages.view(await self.bot.mark_delivered(turn.result())))
         self.bot.reply_later(turn)
         row = turn.result() if turn in done else await messages.get(self.bot.store, message["id"]) or message
         return json_response({**messages.view(row), "poll": f"/bot/v1/messages/{message['id']}"}, status=202)
@@ -130,8 +126,7 @@ class WebhookPlatform:
         if row is None or row["platform"] != NAME:
             raise APIError(404, f"No bot message '{request.path_params['message_id']}'.", code="not_found")
         if row["status"] == messages.ANSWERED and not row["callback_url"]:
-            await self.bot.mark_delivered(row)  # polling was its way out
-            row = {**row, "status": messages.DELIVERED}
+            row = await self.bot.mark_delivered(row)  # polling was its way out
         return json_response(messages.view(row))
 
     async def react(self, request: Request) -> Response:

@@ -93,7 +93,7 @@ class WeComPlatform:
                 self._key = wecom_crypto.aes_key(settings.aes_key or "")
             except wecom_crypto.CryptoError as exc:
                 raise ConfigError(f"[bot.wecom] {settings.aes_key_env}: {exc}") from None
-        self._client = httpx.AsyncClient(base_url=settings.api_base.rstrip("/"), timeout=10.0, trust_env=False)
+        self._client: httpx.AsyncClient | None = None  # made on first use: most gateways never send to WeCom
         self._token: tuple[str, float] | None = None  # access token, monotonic time it is renewed at
 
     def routes(self) -> list[BaseRoute]:
@@ -205,6 +205,9 @@ class WeComPlatform:
         return self._token[0]
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        if self._client is None:
+            self._client = httpx.AsyncClient(base_url=self.settings.api_base.rstrip("/"), timeout=10.0,
+                                             trust_env=False)
         try:
             response = await self._client.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
@@ -220,4 +223,5 @@ class WeComPlatform:
         return answer
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        if self._client is not None:
+            await self._client.aclose()
