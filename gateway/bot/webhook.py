@@ -94,7 +94,11 @@ class WebhookPlatform:
             return json_response(messages.view(await self.bot.mark_delivered(turn.result())))
         self.bot.reply_later(turn)
         row = turn.result() if turn in done else await messages.get(self.bot.store, message["id"]) or message
-        return json_response({**messages.view(row), "poll": f"/bot/v1/messages/{message['id']}"}, status=202)
+        view = messages.view(row)
+        # Waiting behind another turn: the run it will join is the conversation's (none yet for a new one).
+        view["run_id"] = view["run_id"] or await messages.conversation_run(self.bot.store, NAME,
+                                                                           incoming.conversation_id)
+        return json_response({**view, "poll": f"/bot/v1/messages/{message['id']}"}, status=202)
 
     async def _incoming(self, body: Any) -> Incoming:
         if not isinstance(body, dict):

@@ -138,6 +138,8 @@ class WeComPlatform:
             return Response(b"")  # joining, leaving, menu clicks: nothing to answer
         if kind != "text":
             return self._passive(user, ONLY_TEXT)
+        if not message.get("Content", "").strip():
+            return Response(b"")  # nothing to answer
         msg_id = message.get("MsgId")
         # A retry is dropped before the rate limit sees it: WeCom's resending is not the user's.
         if msg_id and await messages.seen(self.bot.store, NAME, msg_id):

@@ -75,6 +75,11 @@ def test_a_write_waits_for_approval_then_runs_and_the_reply_is_delivered(tmp_pat
         assert gw.admin("GET", "/admin/approvals?status=approved").json()["data"][0]["decided_by"] == "ops"
         assert gw.admin("GET", "/admin/approvals?status=bogus").status_code == 400
         assert gw.admin("POST", "/admin/approvals/nope/approve").status_code == 404
+        assert gw.admin("POST", f"/admin/approvals/{held['id']}/maybe").status_code == 404
+        for body, why in ((b"[1]", "only 'reason' and 'by'"), (b"{\"why\": 1}", "only 'reason' and 'by'"),
+                          (b"{\"reason\": 5}", "'reason' must be a string"), (b"{oops", "not valid JSON")):
+            refused = gw.admin("POST", f"/admin/approvals/{held['id']}/deny", content=body)
+            assert refused.status_code == 400 and why in refused.json()["error"]["message"], refused.text
         assert httpx.get(gw.url + "/admin/approvals").status_code == 401
 
 

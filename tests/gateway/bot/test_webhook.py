@@ -179,6 +179,7 @@ def test_messages_cut_off_by_a_restart_are_answered_after_it(tmp_path) -> None:
         db = sqlite3.connect(tmp_path / "h.db")
         assert db.execute("SELECT status FROM bot_messages ORDER BY created_at").fetchall() == [
             ("running",), ("queued",)]
+        assert second["status"] == "queued" and second["run_id"] == first["run_id"]  # the run it will join
         with bot_gateway(tmp_path, ["answer to first", "answer to second"]) as gw:
             receiver.wait(2)
             replies = {orjson.loads(body)["id"]: orjson.loads(body)["reply"] for _, body in receiver.requests}

@@ -138,11 +138,14 @@ def test_non_text_messages_and_rate_limits_get_a_passive_reply(tmp_path) -> None
         assert _post(gw.url, _inner("one", "6")).content == b""
         assert _post(gw.url, _inner("one", "6"), nonce="2").content == b""  # WeCom's retry is not the user's
         assert "too fast" in _passive_text(_post(gw.url, _inner("two", "7")))
+        assert _post(gw.url, _inner("  ", "9")).content == b""  # an empty text is not a turn
         event = _post(gw.url, _inner("", "8", kind="event"))
         assert event.status_code == 200 and event.content == b""
         bad = httpx.post(gw.url + "/bot/wecom/callback", content=b"<xml><Encrypt>", params={
             "msg_signature": "x", "timestamp": "1", "nonce": "2"})
         assert bad.status_code == 400
+    stored = sqlite3.connect(tmp_path / "h.db").execute("SELECT external_id FROM bot_messages").fetchall()
+    assert stored == [("6",)]
 
 
 def test_the_passive_reply_plaintext_and_long_replies_are_cut_for_the_send_api() -> None:
