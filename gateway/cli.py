@@ -19,6 +19,7 @@ from gateway.auth import hash_secret, new_secret
 from gateway.cli_support import ConfigOption, format_time, settings_or_exit, with_store
 from gateway.config import ConfigError
 from replay.cli import app as replay_app
+from tools.extras import MissingExtra
 from training.cli import register as register_training_commands
 
 T = TypeVar("T")
@@ -270,5 +271,14 @@ def trajectories_delete(trajectory_id: str | None = typer.Argument(None),
     typer.echo(f"deleted {count} trajectories")
 
 
+def main() -> None:
+    """The ``harness`` command: a feature whose optional extra is missing ends in one line, not a traceback."""
+    try:
+        app()
+    except MissingExtra as exc:
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(app())
+    main()

@@ -46,6 +46,7 @@ from replay import hashing
 from replay.filters import Filters
 from replay.redact import Redactor
 from replay.store import new_id
+from tools.extras import require_extra
 
 log = structlog.get_logger()
 
@@ -515,6 +516,8 @@ def export(conn: sqlite3.Connection, filters: Filters, output: str | os.PathLike
     """
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if fmt == "hf":
+        require_extra("train", "replay export --format hf")
     out = Path(output)
     if out.exists() and not overwrite:
         raise ExportError(f"{out} already exists (pass --force to replace it)")

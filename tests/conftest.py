@@ -2,26 +2,43 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-from transformers import PreTrainedTokenizerBase
 
-from gateway.backends.local_model import load_tokenizer
 from replay.store import TrajectoryStore
-from tests.models import tiny_llama
+from tests import markers
+from tests.extras import skip_without
 from tests.processes import GatewayProcess, upstream_config
 from tests.standin import ServerThread, StandIn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    markers.mark_collected(items)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    markers.entering(item)
+    for mark in item.iter_markers("extra"):
+        skip_without(mark.args[0])
 
 
 @pytest.fixture(scope="session")
 def smol_tokenizer() -> PreTrainedTokenizerBase:
     """The embedded model's tokenizer: instant from the model cache, else read from the GGUF (~7 s)."""
+    from gateway.backends.local_model import load_tokenizer
+
     return load_tokenizer()
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smol_tokenizer: PreTrainedTokenizerBase) -> Path:
     """A 2-layer Llama with random weights and the SmolLM2 tokenizer (``tests/models.py``)."""
+    from tests.models import tiny_llama
+
     return tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smol_tokenizer)
 
 

@@ -11,19 +11,24 @@ from pathlib import Path
 
 import httpx
 
+from tests.markers import require_integration
 from tests.standin import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 class GatewayProcess:
-    def __init__(self, config_text: str, workdir: Path, env: dict[str, str] | None = None) -> None:
+    """``harness serve``: by default this checkout's, or ``harness`` (an installed ``harness`` command)."""
+
+    def __init__(self, config_text: str, workdir: Path, env: dict[str, str] | None = None, *,
+                 harness: str | None = None) -> None:
         self.workdir = workdir
         self.config = workdir / "harness.toml"
         self.port = free_port()
         self.config.write_text(config_text)
-        self.env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {}),
-                    "HARNESS_SERVER__PORT": str(self.port)}
+        self.command = [harness] if harness else [sys.executable, "-m", "gateway.cli"]
+        source = {} if harness else {"PYTHONPATH": str(ROOT)}
+        self.env = {**os.environ, **source, **(env or {}), "HARNESS_SERVER__PORT": str(self.port)}
         self.env.pop("HARNESS_CONFIG", None)
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = workdir / "gateway.log"
@@ -37,8 +42,9 @@ class GatewayProcess:
         return self.workdir / "harness.db"
 
     def start(self, timeout: float = 120.0) -> GatewayProcess:
+        require_integration("a gateway process")
         log = open(self.log, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(self.config)],
+        self.proc = subprocess.Popen([*self.command, "serve", "--config", str(self.config)],
                                      cwd=self.workdir, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

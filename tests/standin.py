@@ -22,6 +22,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from tests.markers import require_integration
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -125,6 +127,7 @@ class ServerThread:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> ServerThread:
+        require_integration("a server")
         self.thread.start()
         deadline = time.monotonic() + 10
         while not self.server.started:

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import httpx
 
 from gateway.config import ToolsSettings
-from tools.browser import BrowserPool
+from tools.extras import MissingExtra, require_extra
 from tools.net import guarded_client
+from tools.spec import ToolError
 from tools.ssrf import SSRFGuard
+
+if TYPE_CHECKING:
+    from tools.browser import BrowserPool
 
 
 class ToolContext:
@@ -25,7 +30,20 @@ class ToolContext:
         self._http: httpx.AsyncClient | None = None
         # Sends a chat message (recipient, text) through the bot's platform; set by the gateway when it has one.
         self.messenger: Callable[[str, str], Awaitable[None]] | None = None
-        self.browser = BrowserPool(self.settings, self.http_client)
+        self._browser: BrowserPool | None = None
+
+    @property
+    def browser(self) -> BrowserPool:
+        """The shared browser pool, made on first use: Playwright is an optional extra (``[browse]``)."""
+        if self._browser is None:
+            try:
+                require_extra("browse", "the browse tool")
+            except MissingExtra as exc:
+                raise ToolError(str(exc)) from None
+            from tools.browser import BrowserPool
+
+            self._browser = BrowserPool(self.settings, self.http_client)
+        return self._browser
 
     def http_client(self) -> httpx.AsyncClient:
         """The guarded client network tools must use (never a client of their own)."""
@@ -36,7 +54,8 @@ class ToolContext:
 
     async def aclose(self) -> None:
         """Closes the browser and the HTTP client; the context can be used again afterwards."""
-        await self.browser.aclose()
+        if self._browser is not None:
+            await self._browser.aclose()
         if self._http is not None:
             await self._http.aclose()
             self._http = None

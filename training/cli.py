@@ -21,6 +21,7 @@ from gateway.config import Settings
 from gateway.logging import configure_logging
 from replay.cli import with_filters
 from replay.filters import Filters
+from tools.extras import require_extra
 
 if TYPE_CHECKING:
     from training.evaluate import Report
@@ -99,6 +100,7 @@ def eval_command(model: str = ModelArgument,
     configure_logging("console", "warning")
     suite_name, split = _suite(settings, suite), _split(split)
     adapter = adapter_folder(settings, model)
+    require_extra("train", "harness eval")
     from training.evaluate import Evaluator, write_reports
     from training.general import GeneralCheck
 
@@ -138,6 +140,7 @@ def tasks_capture(suite: str | None = SuiteOption, split: str = typer.Option("tr
                   config: str | None = ConfigOption) -> None:
     """Capture a split into the store: demonstrations (source demo) and the model's attempts (source agent),
     each with the verifier's verdict. The test split is refused: nothing from it may reach training."""
+    require_extra("train", "harness tasks capture")
     from training.capture import capture
 
     settings = settings_or_exit(config)
@@ -164,6 +167,7 @@ def replay_train_command(filters: Filters,
     """Select, reward, train (SFT, group-relative RL, or both), pick a checkpoint on validation, gate on test,
     register, publish. Exits 0 when the candidate passed the gate, 1 when it was refused (it is still registered,
     as a candidate)."""
+    require_extra("train", "harness replay-train")
     from training.replay_train import MODES, ReplayTrainError, replay_train
 
     settings = settings_or_exit(config)

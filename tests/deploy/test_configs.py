@@ -6,6 +6,7 @@ Files are found by globbing: a new file under deploy/ that no loader below cover
 
 from __future__ import annotations
 
+import ast
 import configparser
 import importlib.util
 import json
@@ -173,8 +174,20 @@ def test_launch_sh_prints_the_command(tmp_path: Path) -> None:
 
 
 @params(PYTHON)
-def test_python_compiles(path: Path) -> None:
-    compile(path.read_text(), str(path), "exec")
+def test_python_needs_only_the_standard_library_and_is_clean(path: Path) -> None:
+    # These run where the gateway is not installed (SGLang's own environment): the standard library only.
+    tree = ast.parse(path.read_text(), str(path))
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
+    assert imported, f"{rel(path)} imports nothing: is it Python?"
+    assert imported <= sys.stdlib_module_names | {"__future__"}, \
+        f"{rel(path)} imports {sorted(imported - sys.stdlib_module_names)}, which SGLang's environment lacks"
+    # Undefined names, unused imports and the like: what pyflakes finds, through ruff's F rules.
+    lint = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--select", "F,E9", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
 
 
 @params(SHELL)
@@ -266,7 +279,8 @@ def test_dockerfile(path: Path) -> None:
     assert {word for word, _ in instructions} <= known
     assert instructions[0] == ("FROM", "python:3.11-slim")
     runs = " ".join(args for word, args in instructions if word == "RUN")
-    assert "pip install --extra-index-url https://download.pytorch.org/whl/cpu ." in runs
+    # The core only, from the lock: a proxy-only gateway without torch (tests/deploy/test_core_install.py).
+    assert "pip install -c requirements.lock ." in runs and "torch" not in runs
     for word, args in instructions:
         if word == "COPY":
             for source in args.split()[:-1]:

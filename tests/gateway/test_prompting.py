@@ -1,6 +1,11 @@
 import json
 
 import pytest
+
+from tests.extras import skip_without
+
+skip_without("local")
+
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 

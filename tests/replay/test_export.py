@@ -87,6 +87,7 @@ async def test_one_row_per_call_matches_what_was_stored(agent_store: Path, tmp_p
     assert rows[1]["messages"][3] == {"role": "tool", "tool_call_id": "call_1", "content": "4"}
 
 
+@pytest.mark.extra("train")
 async def test_hf_dataset_round_trips(agent_store: Path, tmp_path: Path) -> None:
     import datasets
 

@@ -76,6 +76,7 @@ def test_empty_selections(db: Path, tmp_path: Path) -> None:
     assert not out.exists()
 
 
+@pytest.mark.extra("train")
 def test_read_commands_leave_the_store_byte_identical(db: Path, tmp_path: Path) -> None:
     before, mtime = b.digest(db), db.stat().st_mtime_ns
     assert b.side_files(db) == []

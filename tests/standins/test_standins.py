@@ -18,6 +18,8 @@ from tests.standin import ServerThread, free_port
 from tests.standins.sglang import SGLangStandIn
 from tests.standins.vllm import VLLMStandIn
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[2]
 CHAT = "/v1/chat/completions"
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config import ToolsSettings
+from tests.markers import require_integration
 
 
 @dataclass
@@ -68,6 +69,7 @@ class LoopbackServer:
         return [path for _, path, _ in self.received]
 
     def start(self) -> LoopbackServer:
+        require_integration("a loopback site")
         self._thread.start()
         return self
 

@@ -11,6 +11,11 @@ from typing import Any
 
 import httpx
 import pytest
+
+from tests.extras import skip_without
+
+skip_without("train")
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 

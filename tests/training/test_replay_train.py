@@ -12,6 +12,11 @@ import httpx
 import openai
 import orjson
 import pytest
+
+from tests.extras import skip_without
+
+skip_without("train")
+
 from rich.console import Console
 
 from gateway.adapters.registry import AdapterRegistry

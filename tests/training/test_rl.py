@@ -8,6 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.extras import skip_without
+
+skip_without("train")
+
 import torch
 
 from gateway.backends.local_model import LoadedModel, load_model

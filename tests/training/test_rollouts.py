@@ -9,6 +9,11 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+
+from tests.extras import skip_without
+
+skip_without("train")
+
 import torch
 
 from gateway.backends.local_model import load_model

@@ -7,6 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.extras import skip_without
+
+skip_without("train")
+
 import torch
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM, PreTrainedTokenizerBase

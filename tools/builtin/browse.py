@@ -9,9 +9,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from playwright.async_api import Error as PlaywrightError
-from playwright.async_api import TimeoutError as PlaywrightTimeout
-
 from gateway.config import ToolsSettings
 from tools.builtin.common import URL_PARAMETERS, put_text
 from tools.context import ToolContext
@@ -25,11 +22,15 @@ async def _run(arguments: dict[str, Any], context: ToolContext) -> dict[str, Any
     settings = context.settings
     started = time.monotonic()
     url = context.guard.check_url(arguments["url"])
+    browser = context.browser  # a clear error before any fetch when the [browse] extra is missing
+    from playwright.async_api import Error as PlaywrightError
+    from playwright.async_api import TimeoutError as PlaywrightTimeout
+
     client = context.http_client()
     first = await fetch(client, client.build_request("GET", url), max_bytes=settings.http_max_bytes,
                         max_redirects=settings.http_max_redirects)
     final_url = str(first.response.url)
-    async with context.browser.page() as guarded:
+    async with browser.page() as guarded:
         guarded.document = first
         # Most of what is left of the call's time goes to loading; the rest to reading the page.
         budget_ms = max((settings.browser_timeout - (time.monotonic() - started)) * 1000 * 0.8, 1000)

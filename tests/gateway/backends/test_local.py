@@ -11,6 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.extras import skip_without
+
+skip_without("local")
+
 from transformers import PreTrainedTokenizerBase
 
 from gateway.backends.base import BackendError, BackendUnavailable, ChatRequest, ChatResult

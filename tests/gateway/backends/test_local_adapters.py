@@ -9,6 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.extras import skip_without
+
+skip_without("local")
+
 from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import LlamaConfig, LlamaForCausalLM
 

