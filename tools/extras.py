@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 
+_LOCAL = ("torch", "transformers", "peft", "gguf", "safetensors")
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
-    "local": ("torch", "transformers", "peft", "gguf", "safetensors"),
-    "train": ("torch", "transformers", "peft", "gguf", "safetensors", "tqdm", "matplotlib", "datasets"),
+    "local": _LOCAL,
+    "train": (*_LOCAL, "tqdm", "matplotlib", "datasets"),  # [train] includes [local]
     "browse": ("playwright",),
 }
 

@@ -83,10 +83,11 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
 
 
 def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int:
-    vocab = tokenizer.get_vocab()
+    # One token at a time: get_vocab() would build the whole vocabulary (49k entries) for every row.
     for token in END_OF_TURN_TOKENS:
-        if token in vocab:
-            return vocab[token]
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id is not None and (token_id != tokenizer.unk_token_id or token == tokenizer.unk_token):
+            return token_id
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no end-of-turn token")
     return tokenizer.eos_token_id

@@ -7,7 +7,8 @@ The algorithm:
 2. Each epoch, shuffle the examples with the seed, sort pools of them by length and cut the pools into
    micro-batches (length buckets: little padding, yet random batches), then shuffle the batches. Right padding,
    attention mask 0 and label -100 on padding.
-3. The loss is the mean cross-entropy of the label tokens (``masked_lm_loss``): the completions only. With
+3. The loss is the mean cross-entropy of the label tokens (``label_loss``): the completions only, the output
+   layer applied at just the positions that predict them. With
    gradient accumulation each micro-batch is weighted by its share of the step's label tokens, so a step's
    loss is the mean over all its label tokens however they fall into micro-batches.
 4. AdamW on the LoRA parameters, a linear warm-up over the first ~5% of steps then cosine decay to zero,
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from gateway.backends.local_model import LoadedModel, load_model
-from training.data import IGNORE, Example, pad_batch
+from training.data import IGNORE, Batch, Example, pad_batch
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -95,18 +96,25 @@ class SFTResult:
     model: PeftModel | None = field(default=None, repr=False)  # the trained model, adapter active
 
 
-def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of each label token given the tokens before it; labels of -100 are skipped.
+def label_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """Mean cross-entropy of each label token given the tokens before it (labels of -100 are skipped), of
+    ``model`` on ``batch``, projecting to the vocabulary only where a label is scored.
 
-    ``logits`` [batch, seq, vocab] at position t predict the token at t + 1; shifting the labels (padded with
-    -100 at the end) rather than slicing the logits avoids copying the biggest tensor of the step.
+    The projection (batch x seq x vocab logits) is the biggest tensor of a step, and most positions of a row
+    are prompt (system prompt, tool specs, earlier turns) that score nothing; so the decoder's hidden states
+    at the positions that predict a label go through the output layer, and no others. Models whose logits
+    are more than the output layer of the last hidden state (softcapping, a logit scale) need the full path.
     """
-    targets = F.pad(labels, (0, 1), value=IGNORE)[:, 1:]
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a peft wrapper
+    hidden = base.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+    targets = F.pad(batch.labels, (0, 1), value=IGNORE)[:, 1:]
+    scored = targets != IGNORE
+    logits = base.get_output_embeddings()(hidden[scored])
+    return F.cross_entropy(logits.float(), targets[scored])
 
 
 def label_tokens(example: Example) -> int:
-    """Tokens ``masked_lm_loss`` scores in this example (the first position is never predicted)."""
+    """Tokens ``label_loss`` scores in this example (the first position is never predicted)."""
     return sum(label != IGNORE for label in example.labels[1:])
 
 
@@ -215,14 +223,13 @@ def train_sft(base_model_path: str | None, examples: list[Example], config: SFTC
         for _, examples_in_batch in group:
             batch = pad_batch(examples_in_batch, pad_id).to(device)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-            loss = masked_lm_loss(logits, batch.labels)
+                loss = label_loss(model, batch)
             # Weighted by the micro-batch's share of the step's label tokens: the step's loss is their mean.
             share = sum(label_tokens(e) for e in examples_in_batch) / step_labels
             (loss * share).backward()
             step_loss += loss.item() * share
             step_tokens += batch.tokens
-            del logits, loss  # else the last batch's logits (batch x seq x vocab) live on through the next forward
+            del loss  # else the last batch's graph lives on through the next forward
         torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()

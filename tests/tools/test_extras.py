@@ -10,12 +10,14 @@ import asyncio
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from replay.store import TrajectoryStore
 from tools.context import ToolContext
+from tools.extras import EXTRA_MODULES
 from tools.spec import ToolError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,3 +73,23 @@ async def test_browse_without_the_browse_extra(monkeypatch: pytest.MonkeyPatch) 
     async with ToolContext() as context:
         with pytest.raises(ToolError, match=r"the browse tool needs the \[browse\] extra.*agent-harness\[browse\]"):
             context.browser  # noqa: B018  (the property is what fails)
+
+
+def test_each_extras_modules_are_what_pyproject_declares_for_it() -> None:
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+    def declared(extra: str) -> set[str]:
+        names: set[str] = set()
+        for line in project["optional-dependencies"][extra]:
+            requirement = Requirement(line)
+            if requirement.name == project["name"]:  # an extra that includes others
+                names |= {n for e in requirement.extras for n in declared(e)}
+            else:
+                names.add(requirement.name)
+        return names
+
+    for extra, modules in EXTRA_MODULES.items():
+        # Each of these packages installs a module of its own name.
+        assert set(modules) <= declared(extra), f"[{extra}] does not declare {set(modules) - declared(extra)}"

@@ -41,7 +41,7 @@ from training.data import (
     render_example,
     split_general,
 )
-from training.sft import masked_lm_loss
+from training.sft import label_loss
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city.",
@@ -418,8 +418,7 @@ def test_perplexity_is_finite_and_a_noise_adapter_raises_it(smol_tokenizer: PreT
     batch = data.pad_batch(examples, smol_tokenizer.pad_token_id)
     optimizer = torch.optim.Adam(model.parameters(), lr=5e-2)
     for _ in range(12):
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        masked_lm_loss(logits, batch.labels).backward()
+        label_loss(model, batch).backward()
         optimizer.step()
         optimizer.zero_grad()
     base = perplexity(model, smol_tokenizer, examples, batch_size=3)

@@ -23,10 +23,11 @@ from training.data import IGNORE, Example, general_examples, pad_batch, perplexi
 from training.sft import (
     SFTConfig,
     checkpoint_steps,
-    masked_lm_loss,
+    label_loss,
     plan_batches,
     train_sft,
     warmup_cosine,
+    wrap_lora,
 )
 
 
@@ -46,18 +47,24 @@ def tiny_config(**overrides: Any) -> SFTConfig:
     return SFTConfig(**{**settings, **overrides})
 
 
-def test_masked_lm_loss_matches_the_models_own_loss(tiny_model_dir: Path, examples: list[Example],
-                                                    smol_tokenizer: PreTrainedTokenizerBase) -> None:
+def test_label_loss_matches_the_models_own_loss_and_gradients(tiny_model_dir: Path, examples: list[Example],
+                                                                smol_tokenizer: PreTrainedTokenizerBase) -> None:
     model = LlamaForCausalLM.from_pretrained(tiny_model_dir)
     batch = pad_batch(examples[:3], smol_tokenizer.pad_token_id)
+    # The model's own loss projects every position; label_loss only those that predict a label.
+    own = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels).loss
+    own.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    loss = label_loss(model, batch)
+    assert loss.item() == pytest.approx(own.item(), rel=1e-5)
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, expected[name], rtol=1e-4, atol=1e-7), name
+    # Through a peft wrapper too: the adapter's layers sit inside the decoder it calls.
+    wrapped = wrap_lora(model, tiny_config())
     with torch.no_grad():
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels)
-        assert masked_lm_loss(out.logits, batch.labels).item() == pytest.approx(out.loss.item(), rel=1e-5)
-        # Only label tokens count: changing a prompt token's logits changes nothing.
-        logits = out.logits.clone()
-        first_label = batch.labels[0].tolist().index(next(t for t in batch.labels[0].tolist() if t != IGNORE))
-        logits[0, : first_label - 1] += 5.0
-        assert masked_lm_loss(logits, batch.labels).item() == pytest.approx(out.loss.item(), rel=1e-5)
+        assert label_loss(wrapped, batch).item() == pytest.approx(own.item(), rel=1e-5)
 
 
 def test_schedule_checkpoints_and_batches() -> None:

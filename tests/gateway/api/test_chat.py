@@ -28,19 +28,20 @@ def _rows(gw: GatewayProcess, sql: str, args: tuple = ()) -> list[tuple]:
         db.close()
 
 
-def test_non_streaming_round_trip_is_recorded(gateway: GatewayProcess) -> None:
-    raw = _client(gateway).chat.completions.with_raw_response.create(
+def test_non_streaming_round_trip_is_recorded(shared_gateway: GatewayProcess) -> None:
+    raw = _client(shared_gateway).chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "hello gateway"}])
     tid = raw.headers["x-harness-trajectory-id"]
     completion = raw.parse()
     assert completion.choices[0].message.content == "echo: hello gateway"
     [(status, n_calls, prompt, completion_tokens)] = _rows(
-        gateway, "SELECT status, n_calls, prompt_tokens, completion_tokens FROM trajectories WHERE id = ?", (tid,))
+        shared_gateway, "SELECT status, n_calls, prompt_tokens, completion_tokens FROM trajectories WHERE id = ?",
+        (tid,))
     assert (status, n_calls, prompt, completion_tokens) == ("completed", 1, 10, 3)
 
 
-def test_streaming_with_and_without_usage(gateway: GatewayProcess) -> None:
-    client = _client(gateway)
+def test_streaming_with_and_without_usage(shared_gateway: GatewayProcess) -> None:
+    client = _client(shared_gateway)
     with client.chat.completions.with_streaming_response.create(
             model=MODEL, messages=[{"role": "user", "content": "one two three"}], stream=True,
             stream_options={"include_usage": True}) as raw:
@@ -53,12 +54,13 @@ def test_streaming_with_and_without_usage(gateway: GatewayProcess) -> None:
         model=MODEL, messages=[{"role": "user", "content": "no usage please"}], stream=True))
     assert all(c.choices for c in chunks), "a usage chunk leaked to a client that did not ask for it"
     # usage was still recorded, because the gateway asks the upstream for it
-    assert _rows(gateway, "SELECT prompt_tokens FROM trajectories ORDER BY id DESC LIMIT 1") == [(10,)]
-    assert _rows(gateway, "SELECT stream, status FROM model_calls WHERE trajectory_id = ?", (tid,)) == [(1, "ok")]
+    assert _rows(shared_gateway, "SELECT prompt_tokens FROM trajectories ORDER BY id DESC LIMIT 1") == [(10,)]
+    assert _rows(shared_gateway, "SELECT stream, status FROM model_calls WHERE trajectory_id = ?",
+                 (tid,)) == [(1, "ok")]
 
 
-async def test_async_client_streaming_and_not(gateway: GatewayProcess) -> None:
-    client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+async def test_async_client_streaming_and_not(shared_gateway: GatewayProcess) -> None:
+    client = openai.AsyncOpenAI(base_url=shared_gateway.url + "/v1", api_key="unused", max_retries=0)
     done = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "async"}])
     assert done.choices[0].message.content == "echo: async"
     stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a b"}],
@@ -71,11 +73,11 @@ async def test_async_client_streaming_and_not(gateway: GatewayProcess) -> None:
     await client.close()
 
 
-def test_tool_calls_and_parameters_pass_through(gateway: GatewayProcess, standin) -> None:
+def test_tool_calls_and_parameters_pass_through(shared_gateway: GatewayProcess, standin) -> None:
     app, _ = standin
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-    client = _client(gateway)
+    client = _client(shared_gateway)
     params = dict(temperature=0.3, top_p=0.9, max_tokens=17, stop=["END"], seed=7, n=1,
                   response_format={"type": "text"}, tool_choice="auto", parallel_tool_calls=False)
     done = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "tool"}], tools=tools,
@@ -105,17 +107,18 @@ def test_tool_calls_and_parameters_pass_through(gateway: GatewayProcess, standin
      b'[{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]}', 400,
      "tools.0.function.parameters"),
 ])
-def test_bad_input_gets_an_openai_error(gateway: GatewayProcess, body: bytes, status: int, param) -> None:
-    r = httpx.post(gateway.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+def test_bad_input_gets_an_openai_error(shared_gateway: GatewayProcess, body: bytes, status: int, param) -> None:
+    r = httpx.post(shared_gateway.url + "/v1/chat/completions", content=body,
+                   headers={"content-type": "application/json"})
     assert r.status_code == status
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param
 
 
-def test_sdk_sees_bad_request_as_an_openai_error(gateway: GatewayProcess) -> None:
+def test_sdk_sees_bad_request_as_an_openai_error(shared_gateway: GatewayProcess) -> None:
     with pytest.raises(openai.NotFoundError) as exc:
-        _client(gateway).chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+        _client(shared_gateway).chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     assert exc.value.code == "model_not_found"
 
 
@@ -147,10 +150,10 @@ def test_body_over_the_limit(standin, tmp_path: Path) -> None:
     ("garbage", 502, 3.0),
     ("slow:30", 504, 4.5),      # read_timeout is 2 s: bounded, never a hang
 ])
-def test_upstream_faults_map_to_clear_errors(gateway: GatewayProcess, command: str, status: int,
+def test_upstream_faults_map_to_clear_errors(shared_gateway: GatewayProcess, command: str, status: int,
                                              max_seconds: float) -> None:
     started = time.monotonic()
-    r = httpx.post(gateway.url + "/v1/chat/completions", timeout=30,
+    r = httpx.post(shared_gateway.url + "/v1/chat/completions", timeout=30,
                    json={"model": MODEL, "messages": [{"role": "user", "content": command}]})
     assert r.status_code == status, r.text
     assert time.monotonic() - started < max_seconds
@@ -158,8 +161,8 @@ def test_upstream_faults_map_to_clear_errors(gateway: GatewayProcess, command: s
     assert r.headers["x-harness-trajectory-id"]
 
 
-def test_flaky_upstream_is_retried(gateway: GatewayProcess) -> None:
-    r = httpx.post(gateway.url + "/v1/chat/completions",
+def test_flaky_upstream_is_retried(shared_gateway: GatewayProcess) -> None:
+    r = httpx.post(shared_gateway.url + "/v1/chat/completions",
                    json={"model": MODEL, "messages": [{"role": "user", "content": f"flaky {time.time()}"}]})
     assert r.status_code == 200
 
@@ -250,15 +253,15 @@ def test_session_header_and_prompt_cache_key_stitch(gateway: GatewayProcess) -> 
     assert a.headers["x-harness-trajectory-id"] == b.headers["x-harness-trajectory-id"]
 
 
-def test_models_health_and_metrics(gateway: GatewayProcess) -> None:
-    models = _client(gateway).models.list()
+def test_models_health_and_metrics(shared_gateway: GatewayProcess) -> None:
+    models = _client(shared_gateway).models.list()
     assert [m.id for m in models.data] == [MODEL]
-    assert httpx.get(gateway.url + "/healthz").json()["status"] == "ok"
-    _client(gateway).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "count me"}])
-    text = httpx.get(gateway.url + "/metrics").text
+    assert httpx.get(shared_gateway.url + "/healthz").json()["status"] == "ok"
+    _client(shared_gateway).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "count me"}])
+    text = httpx.get(shared_gateway.url + "/metrics").text
     for name in ("harness_requests_total", "harness_request_latency_seconds_bucket", "harness_tokens_total",
                  "harness_errors_total", "harness_store_queue_depth", "harness_store_commit_seconds_bucket"):
         assert name in text, name
     assert 'harness_tokens_total{kind="prompt",model="stand-in-model"}' in text
-    r = httpx.get(gateway.url + "/no/such/route")
+    r = httpx.get(shared_gateway.url + "/no/such/route")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
