@@ -61,6 +61,9 @@ fi
 # pyenv finds new commands only after a rehash.
 if command -v pyenv >/dev/null 2>&1; then pyenv rehash 2>/dev/null || true; fi
 bin=$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')
-if [[ "$(command -v harness || true)" != "$bin/harness" ]]; then
+found=$(command -v harness || true)
+if [[ -z "$found" ]]; then
     echo "installed harness into $bin; put that folder on PATH (or activate its virtual environment)" >&2
+elif [[ "$found" != "$bin/harness" && "$found" != */shims/harness ]]; then
+    echo "note: 'harness' on PATH is $found, not this install's $bin/harness" >&2
 fi
