@@ -7,6 +7,7 @@ embedded model, no Playwright; a streamed request reaches a stand-in upstream an
 from __future__ import annotations
 
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -37,7 +38,14 @@ def _run(*argv: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
 def core_harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """``harness`` from the project's wheel installed into a new virtual environment with the core only."""
     root = tmp_path_factory.mktemp("core-install")
-    _run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", root / "dist", ROOT, cwd=root)
+    # What deploy/Dockerfile copies into its build context, so the build leaves nothing in the checkout.
+    source = root / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for package in ("gateway", "tools", "replay", "training"):
+        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    _run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", root / "dist", source, cwd=root)
     (wheel,) = (root / "dist").glob("agent_harness-*.whl")
     _run(sys.executable, "-m", "venv", root / "venv", cwd=root)
     python = root / "venv" / "bin" / "python"
