@@ -20,7 +20,7 @@ from gateway.adapters.registry import AdapterRegistry
 from gateway.adapters.service import AdapterService
 from gateway.agent.service import AgentService
 from gateway.api import adapters, agent, approvals, chat, health, models, responses, trajectories
-from gateway.auth import Authenticator
+from gateway.auth import Authenticator, is_loopback
 from gateway.backends import build_backend
 from gateway.backends.base import Backend, serves_adapters
 from gateway.bot.service import BotService
@@ -49,7 +49,8 @@ class Gateway:
         self.store = TrajectoryStore(s.path, synchronous=s.synchronous, max_batch=s.max_batch,
                                      max_queue=s.max_queue, commit_delay_ms=s.commit_delay_ms,
                                      on_commit=self.metrics.observe_commit)
-        self.auth = Authenticator(self.store, settings.server.admin_key)
+        self.auth = Authenticator(self.store, settings.server.admin_key, loopback=is_loopback(settings.server.host),
+                                  cache_seconds=settings.server.auth_cache_seconds)
         self.backends: list[Backend] = [build_backend(b) for b in settings.backends]
         self.model_map: dict[str, Backend] = {}
         for backend in self.backends:

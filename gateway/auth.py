@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import secrets
 import time
 from dataclasses import dataclass
@@ -15,7 +16,15 @@ from gateway.routing import Caller
 from replay.store import TrajectoryStore
 
 KEY_PREFIX = "sk-harness-"
-_CACHE_SECONDS = 5.0
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def new_secret() -> str:
@@ -54,23 +63,34 @@ def _bearer(headers: Headers) -> str | None:
 
 
 class Authenticator:
-    """With no keys in the store the gateway is open (and binds only to loopback); otherwise a key is required.
+    """Open (no key needed) only while no API key was ever created in the store and the gateway is bound to
+    loopback; once a key exists, even revoked, a valid key is required.
 
-    Lookups are cached for a few seconds so a key made or revoked from the CLI takes effect quickly
-    without a database read on every request.
+    Lookups are cached for ``cache_seconds`` (``[server] auth_cache_seconds``) so a key made or revoked from the
+    CLI takes effect within that time without a database read on every request: a revoked key keeps working
+    for at most that long, and so does the open mode after the first key is created.
     """
 
-    def __init__(self, store: TrajectoryStore, admin_key: str | None) -> None:
+    def __init__(self, store: TrajectoryStore, admin_key: str | None, *, loopback: bool,
+                 cache_seconds: float = 5.0) -> None:
         self.store = store
         self.admin_key = admin_key
+        self.cache_seconds = cache_seconds
         self._keys: dict[str, tuple[float, Principal | None]] = {}
-        self._count: tuple[float, int] = (0.0, 0)
+        # Never open beyond loopback; and once closed, closed for good (the store never forgets a key).
+        self._closed = not loopback
+        self._open_until = 0.0
 
-    async def key_count(self) -> int:
+    async def is_open(self) -> bool:
+        if self._closed:
+            return False
         now = time.monotonic()
-        if now >= self._count[0]:
-            self._count = (now + _CACHE_SECONDS, await self.store.count_keys())
-        return self._count[1]
+        if now >= self._open_until:
+            if await self.store.keys_ever_created():
+                self._closed = True
+                return False
+            self._open_until = now + self.cache_seconds
+        return True
 
     def is_admin(self, secret: str | None) -> bool:
         return bool(self.admin_key and secret and hmac.compare_digest(secret, self.admin_key))
@@ -80,7 +100,7 @@ class Authenticator:
         if self.is_admin(secret):
             return Principal(key_id="admin", tenant=None, admin=True)
         if secret is None:
-            if await self.key_count() == 0:
+            if await self.is_open():
                 return OPEN
             raise APIError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer KEY'.",
                            code="missing_api_key")
@@ -94,9 +114,9 @@ class Authenticator:
                 default_model=row["default_model"], allow_model_override=bool(row["allow_model_override"]))
             if len(self._keys) > 10_000:
                 self._keys.clear()
-            self._keys[digest] = cached = (now + _CACHE_SECONDS, principal)
+            self._keys[digest] = cached = (now + self.cache_seconds, principal)
         if cached[1] is None:
-            if await self.key_count() == 0:
+            if await self.is_open():
                 return OPEN  # open gateways ignore whatever key an SDK insists on sending
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
         return cached[1]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import sys
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -15,7 +14,7 @@ from rich.table import Table
 
 from gateway.adapters.cli import app as adapters_app
 from gateway.approvals_cli import app as approvals_app
-from gateway.auth import hash_secret, new_secret
+from gateway.auth import hash_secret, is_loopback, new_secret
 from gateway.cli_support import ConfigOption, format_time, settings_or_exit, with_store
 from gateway.config import ConfigError
 from replay.cli import app as replay_app
@@ -38,15 +37,6 @@ register_training_commands(app)
 console = Console()
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 @app.command()
 def serve(config: str | None = ConfigOption,
           host: str | None = typer.Option(None, help="Override [server] host."),
@@ -64,10 +54,9 @@ def serve(config: str | None = ConfigOption,
         settings.server.port = port
     configure_logging(settings.server.log_format, settings.server.log_level)
     if not is_loopback(settings.server.host):
-        key_count = with_store(settings, lambda s: s.count_keys())
-        if key_count == 0:
-            typer.echo(f"error: refusing to bind {settings.server.host}: no API keys exist, so the gateway would "
-                       "be open to anyone. Create one with 'harness keys create --tenant NAME' or bind 127.0.0.1.",
+        if not with_store(settings, lambda s: s.keys_ever_created()):
+            typer.echo(f"error: refusing to bind {settings.server.host}: no API key was ever created, so no request "
+                       "could be let in. Create one with 'harness keys create --tenant NAME' or bind 127.0.0.1.",
                        err=True)
             raise typer.Exit(2)
     try:

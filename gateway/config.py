@@ -45,6 +45,8 @@ class ServerSettings(_Section):
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 picks a free one).")
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest accepted request body.")
     admin_key_env: str = Field("HARNESS_ADMIN_KEY", description="Variable holding the admin key.")
+    auth_cache_seconds: float = Field(5.0, ge=0, description="How long a key lookup is trusted: a key revoked "
+                                      "from the CLI keeps working for at most this long.")
     guard_retries: int = Field(1, ge=0, description="Proxy mode: times an invalid tool call goes back to the model "
                                "before the client sees it.")
     log_format: Literal["auto", "json", "console"] = Field(

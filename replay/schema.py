@@ -234,6 +234,17 @@ MIGRATIONS: list[str] = [
     CREATE INDEX bot_messages_status ON bot_messages(status, created_at);
     CREATE INDEX bot_messages_trajectory ON bot_messages(trajectory_id);
     """,
+    # 8: facts about the store that must never be forgotten; 'keys_created' is set with the first API key and
+    # never cleared, so revoking every key never reopens a gateway.
+    """
+    CREATE TABLE store_facts (
+        name TEXT PRIMARY KEY,
+        value TEXT NOT NULL,
+        set_at REAL NOT NULL
+    ) WITHOUT ROWID;
+    INSERT INTO store_facts(name, value, set_at)
+        SELECT 'keys_created', '1', MIN(created_at) FROM api_keys HAVING COUNT(*) > 0;
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)

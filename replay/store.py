@@ -733,11 +733,13 @@ class TrajectoryStore:
 
     async def create_key(self, *, tenant: str, name: str | None, capture: bool, secret_hash: str,
                          default_model: str | None = None, allow_model_override: bool = False) -> str:
-        key_id = new_id()
-        await self.execute(
-            "INSERT INTO api_keys(id, hash, tenant, name, capture, created_at, default_model, allow_model_override)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (key_id, secret_hash, tenant, name, int(capture), time.time(), default_model, int(allow_model_override)))
+        key_id, now = new_id(), time.time()
+        # In one commit with the key: from now on this store never serves an open gateway.
+        await self.transaction([
+            ("INSERT INTO api_keys(id, hash, tenant, name, capture, created_at, default_model, "
+             "allow_model_override) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+             (key_id, secret_hash, tenant, name, int(capture), now, default_model, int(allow_model_override))),
+            ("INSERT OR IGNORE INTO store_facts(name, value, set_at) VALUES ('keys_created', '1', ?)", (now,))])
         return key_id
 
     async def list_keys(self) -> list[dict[str, Any]]:
@@ -768,10 +770,11 @@ class TrajectoryStore:
             row = await cur.fetchone()
         return dict(row) if row else None
 
-    async def count_keys(self) -> int:
+    async def keys_ever_created(self) -> bool:
+        """Whether an API key was ever created in this store (revoked ones count: the fact is never undone)."""
         assert self._reader is not None
-        async with self._reader.execute("SELECT COUNT(*) FROM api_keys WHERE revoked_at IS NULL") as cur:
-            return (await cur.fetchone())[0]
+        async with self._reader.execute("SELECT 1 FROM store_facts WHERE name = 'keys_created'") as cur:
+            return await cur.fetchone() is not None
 
 
 def _trajectory_row(row: aiosqlite.Row) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from replay import hashing
-from replay.schema import SCHEMA_VERSION, migrate
+from replay.schema import MIGRATIONS, SCHEMA_VERSION, migrate
 from replay.store import CallRecord, TrajectoryStore
 
 SYSTEM = {"role": "system", "content": "You are terse."}
@@ -146,6 +146,24 @@ def test_migrations_are_versioned(tmp_path: Path) -> None:
     db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
     with pytest.raises(RuntimeError, match="newer"):
         migrate(db)
+
+
+async def test_a_store_that_ever_had_a_key_remembers_it(tmp_path: Path) -> None:
+    # A store from before the fact was recorded (schema 7) with one key, revoked: the migration keeps it closed.
+    old = sqlite3.connect(tmp_path / "old.db")
+    for version, script in enumerate(MIGRATIONS[:7]):
+        old.executescript(f"BEGIN;\n{script}\nPRAGMA user_version = {version + 1};\nCOMMIT;")
+    old.execute("INSERT INTO api_keys(id, hash, tenant, capture, created_at, revoked_at) VALUES "
+                "('k', 'h', 't', 1, 1.0, 2.0)")
+    old.commit()
+    old.close()
+    for path, expected in ((tmp_path / "old.db", True), (tmp_path / "new.db", False)):
+        store = await _open(path)
+        assert await store.keys_ever_created() is expected
+        if not expected:
+            await store.revoke_key(await store.create_key(tenant="t", name=None, capture=True, secret_hash="x"))
+            assert await store.keys_ever_created()
+        await store.close()
 
 
 async def test_n_choices_form_a_group_of_trajectories(tmp_path: Path) -> None:
