@@ -19,6 +19,7 @@ TIMESTAMP = "X-Harness-Timestamp"
 NONCE = "X-Harness-Nonce"
 SIGNATURE = "X-Harness-Signature"
 MAX_NONCE = 128
+MAX_TIMESTAMP_DIGITS = 12  # unix seconds until the year 33658
 
 
 class SignatureError(ValueError):
@@ -47,7 +48,9 @@ def verify(secret: bytes, headers: Mapping[str, str], body: bytes, now: float, w
     timestamp, nonce, given = (lowered.get(h.lower()) for h in (TIMESTAMP, NONCE, SIGNATURE))
     if not timestamp or not nonce or not given:
         raise SignatureError(f"Signed requests need the headers {TIMESTAMP}, {NONCE} and {SIGNATURE}.")
-    if not timestamp.isdigit():
+    # ASCII digits only (int() takes other scripts' digits too), and few enough to be a time: a 400-digit number
+    # would overflow the comparison with the clock.
+    if not (timestamp.isascii() and timestamp.isdigit()) or len(timestamp) > MAX_TIMESTAMP_DIGITS:
         raise SignatureError(f"{TIMESTAMP} must be unix seconds.")
     if len(nonce) > MAX_NONCE or not nonce.isprintable():
         raise SignatureError(f"{NONCE} must be at most {MAX_NONCE} printable characters.")

@@ -41,6 +41,14 @@ def test_tampered_or_incomplete_requests_are_refused(change, reason) -> None:
         verify(SECRET, headers, body, NOW, window=300)
 
 
+@pytest.mark.parametrize("timestamp", ["9" * 400, "1800000000" + "0" * 3, "\u00b2", "1_800_000_000", "-1"])
+def test_timestamps_that_are_not_unix_seconds_are_refused_even_when_signed(timestamp: str) -> None:
+    # Signed with the right secret: the refusal must come from the timestamp itself, never an overflow.
+    headers = {TIMESTAMP: timestamp, NONCE: "abc", SIGNATURE: sign(SECRET, timestamp, "abc", BODY)}
+    with pytest.raises(SignatureError, match="unix seconds|300 s away"):
+        verify(SECRET, headers, BODY, NOW, window=300)
+
+
 def test_timestamps_outside_the_window_are_refused_either_way() -> None:
     headers = signed_headers(SECRET, BODY, NOW)
     verify(SECRET, headers, BODY, NOW + 300, window=300)
