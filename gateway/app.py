@@ -65,13 +65,14 @@ class Gateway:
                                               also_wanted=self.router.canary_versions)
         self.adapters = AdapterService(registry, settings.routing.adapters_dir, settings.routing.max_upload_bytes,
                                        self.adapter_manager)
-        self.tool_context = ToolContext(settings.tools)
+        own = ((settings.server.host, settings.server.port),)  # where this gateway listens: off limits to tools
+        self.tool_context = ToolContext(settings.tools, own=own)
         self.agents = AgentService(profiles=settings.profiles, store=self.store,
                                    registry=default_registry(settings.tools), tool_context=self.tool_context,
                                    backend_for=self.backend_for,
                                    spawn=lambda coro: self.spawn(coro, cancel_on_stop=True))
         self.bot = BotService(settings.bot, self.agents, self.store, self.spawn)
-        self.bot.add(WebhookPlatform(settings.bot, self.bot))
+        self.bot.add(WebhookPlatform(settings.bot, self.bot, own=own))
         wecom = WeComPlatform(settings.bot.wecom, self.bot, settings.bot.profile)
         self.bot.add(wecom)
         if wecom.enabled:

@@ -40,6 +40,17 @@ def _check_networks(value: list[str]) -> list[str]:
 Networks = Annotated[list[str], AfterValidator(_check_networks)]
 
 
+def _check_allow_hosts(value: list[str]) -> list[str]:
+    from tools.ssrf import parse_allow_host  # here: tools imports this module
+
+    for entry in value:
+        parse_allow_host(entry)
+    return value
+
+
+AllowHosts = Annotated[list[str], AfterValidator(_check_allow_hosts)]
+
+
 class ServerSettings(_Section):
     host: str = Field("127.0.0.1", description="Address to bind.")
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 picks a free one).")
@@ -117,8 +128,9 @@ class ToolsSettings(_Section):
     sql_database: str | None = Field(None, description="SQLite file sql_query reads; none disables it.")
     sql_timeout: float = Field(5.0, gt=0, description="Seconds one query may run.")
     sql_max_rows: int = Field(200, gt=0, description="Most rows one query returns.")
-    allow_hosts: list[str] = Field(
-        default_factory=list, description="Host names network tools may reach even at private addresses.")
+    allow_hosts: AllowHosts = Field(
+        default_factory=list, description="Hosts network tools may reach even at private addresses: 'host' (ports "
+        "80 and 443) or 'host:port'.")
     allow_networks: Networks = Field(
         default_factory=list, description="CIDR ranges network tools may reach even when private.")
     http_timeout: float = Field(20.0, gt=0, description="Seconds one http_get call may take.")
@@ -322,7 +334,7 @@ class BotSettings(_Section):
                                             "timestamp and the gateway's clock.")
     rate_limit_messages: int = Field(20, ge=0, description="Messages one user may send per window (0: no limit).")
     rate_limit_window_seconds: float = Field(60.0, gt=0, description="The rate limit's window.")
-    callback_allow_hosts: list[str] = Field(default_factory=list, description="Callback hosts allowed even at "
+    callback_allow_hosts: AllowHosts = Field(default_factory=list, description="Callback hosts allowed even at "
                                             "private addresses.")
     callback_allow_networks: Networks = Field(default_factory=list, description="CIDR ranges callbacks may "
                                                "reach even when private.")

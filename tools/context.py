@@ -24,9 +24,11 @@ class ToolContext:
     shared, while each browse call gets its own browser context (no cookies carried between calls).
     """
 
-    def __init__(self, settings: ToolsSettings | None = None, *, guard: SSRFGuard | None = None) -> None:
+    def __init__(self, settings: ToolsSettings | None = None, *, guard: SSRFGuard | None = None,
+                 own: tuple[tuple[str, int], ...] = ()) -> None:
+        """``own``: where the gateway listens (host, port), which no tool may reach."""
         self.settings = settings or ToolsSettings()
-        self.guard = guard or SSRFGuard(self.settings.allow_hosts, self.settings.allow_networks)
+        self.guard = guard or SSRFGuard(self.settings.allow_hosts, self.settings.allow_networks, own=own)
         self._http: httpx.AsyncClient | None = None
         # Sends a chat message (recipient, text) through the bot's platform; set by the gateway when it has one.
         self.messenger: Callable[[str, str], Awaitable[None]] | None = None

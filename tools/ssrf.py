@@ -2,9 +2,11 @@
 
 Only http(s) URLs pass. A host is resolved once; when ANY of its addresses is not public (loopback,
 private, link-local, multicast, unspecified, reserved, shared, or a cloud metadata endpoint) the URL is
-refused, unless the operator allow-listed the host name (``[tools] allow_hosts``) or the address's
-network (``[tools] allow_networks``). Metadata endpoints are refused even for an allow-listed host name;
-only an ``allow_networks`` entry that covers them lets them through.
+refused, unless the operator allow-listed the host name (``[tools] allow_hosts``: ``host`` for ports 80 and 443
+only, ``host:port`` for that port) or the address's network (``[tools] allow_networks``). Metadata endpoints are
+refused even for an allow-listed host name; only an ``allow_networks`` entry that covers them lets them through.
+The gateway's own listening address (``own``) is refused whatever the lists say: a tool must never reach the
+gateway's routes, admin routes included, from inside.
 
 The guard hands back the addresses it vetted, and the callers (``tools.net``) connect to exactly those,
 so a DNS answer that changes between the check and the connection (rebinding) cannot slip through.
@@ -13,6 +15,7 @@ so a DNS answer that changes between the check and the connection (rebinding) ca
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import re
 import socket
@@ -112,9 +115,45 @@ def normalize_host(host: str) -> str:
     return str(ip) if ip is not None else host
 
 
+DEFAULT_PORTS = frozenset({80, 443})
+
+
+def parse_allow_host(entry: str) -> tuple[str, frozenset[int]]:
+    """An ``allow_hosts`` entry as (host or ``*.domain`` pattern, ports): ``host`` means ports 80 and 443,
+    ``host:port`` (``[v6]:port`` for an IPv6 address) that port only. ``ValueError`` for a malformed entry."""
+    entry = entry.strip().lower()
+    host, port = entry, None
+    if entry.startswith("["):
+        inside, _, rest = entry[1:].partition("]")
+        host = inside
+        if rest:
+            if not rest.startswith(":"):
+                raise ValueError(f"{entry!r}: expected [address] or [address]:port")
+            port = rest[1:]
+    elif entry.count(":") == 1:
+        host, port = entry.split(":")
+    if not host:
+        raise ValueError(f"{entry!r} names no host")
+    if port is None:
+        return host, DEFAULT_PORTS
+    if not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+        raise ValueError(f"{entry!r}: the port must be a number from 1 to 65535")
+    return host, frozenset({int(port)})
+
+
 async def _system_resolver(host: str, port: int) -> list[str]:
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     return [str(info[4][0]) for info in infos]
+
+
+@functools.cache
+def _local_addresses() -> frozenset[IPAddress]:
+    """This machine's own addresses, as its host name resolves (best effort: none when it does not)."""
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)
+    except OSError:
+        return frozenset()
+    return frozenset(ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]) for info in infos)
 
 
 class SSRFGuard:
@@ -125,22 +164,42 @@ class SSRFGuard:
         allow_hosts: Iterable[str] = (),
         allow_networks: Iterable[str] = (),
         resolver: Resolver | None = None,
+        *,
+        own: Iterable[tuple[str, int]] = (),
     ) -> None:
-        self._exact: set[str] = set()
-        self._suffixes: list[str] = []
+        self._exact: dict[str, frozenset[int]] = {}
+        self._suffixes: list[tuple[str, frozenset[int]]] = []
         for entry in allow_hosts:
-            entry = entry.strip().lower()
-            if entry.startswith("*."):
-                self._suffixes.append(entry[1:])
-            elif entry:
-                self._exact.add(normalize_host(entry))
+            if not entry.strip():
+                continue
+            host, ports = parse_allow_host(entry)
+            if host.startswith("*."):
+                self._suffixes.append((host[1:], ports))
+            else:
+                host = normalize_host(host)
+                self._exact[host] = self._exact.get(host, frozenset()) | ports
         self._networks = [ipaddress.ip_network(n, strict=False) for n in allow_networks]
         self._resolve = resolver or _system_resolver
+        self._own = [(parse_ip(host), port) for host, port in own]
 
-    def host_allowed(self, host: str) -> bool:
-        """Whether the operator allow-listed this host name (exactly, or by a ``*.domain`` entry)."""
+    def host_allowed(self, host: str, port: int) -> bool:
+        """Whether the operator allow-listed this host name on this port (exactly, or by a ``*.domain`` entry)."""
         host = normalize_host(host)
-        return host in self._exact or any(host.endswith(s) for s in self._suffixes)
+        if port in self._exact.get(host, ()):
+            return True
+        return any(host.endswith(suffix) and port in ports for suffix, ports in self._suffixes)
+
+    def _is_own(self, ip: IPAddress, port: int) -> bool:
+        """Whether ``ip:port`` is where this gateway listens (any local address, when it listens on all)."""
+        for own_ip, own_port in self._own:
+            if port != own_port:
+                continue
+            if own_ip is None or own_ip.is_unspecified:
+                if ip.is_loopback or ip.is_unspecified or ip in _local_addresses():
+                    return True
+            elif ip == own_ip or (ip.is_loopback and own_ip.is_loopback) or ip.is_unspecified:
+                return True
+        return False
 
     def _network_allowed(self, ip: IPAddress) -> bool:
         return any(ip.version == net.version and ip in net for net in self._networks)
@@ -185,8 +244,11 @@ class SSRFGuard:
             addresses = list(dict.fromkeys(ipaddress.ip_address(a.split("%", 1)[0]) for a in raw))
             if not addresses:
                 raise ToolError(f"cannot reach {shown}: host {host} has no addresses")
-        allowed_host = self.host_allowed(host)
+        allowed_host = self.host_allowed(host, port)
         for ip in addresses:
+            if self._is_own(ip, port):
+                log.warning("ssrf.refused", target=shown, address=str(ip), reason="the gateway itself")
+                raise BlockedURL(shown, f"{ip}:{port} is this gateway's own address")
             reason = classify(ip)
             if reason is None or self._network_allowed(ip):
                 continue

@@ -41,12 +41,13 @@ _ID_FIELDS = ("conversation_id", "user_id")
 class WebhookPlatform:
     name = NAME
 
-    def __init__(self, settings: BotSettings, bot: BotService) -> None:
+    def __init__(self, settings: BotSettings, bot: BotService, *, own: tuple[tuple[str, int], ...] = ()) -> None:
+        """``own``: where the gateway listens (host, port), which no callback may reach."""
         self.settings = settings
         self.bot = bot
         self.profile = settings.profile or ""
         self.secret = settings.secret.encode() if settings.secret else None
-        self.guard = SSRFGuard(settings.callback_allow_hosts, settings.callback_allow_networks)
+        self.guard = SSRFGuard(settings.callback_allow_hosts, settings.callback_allow_networks, own=own)
         self._client: httpx.AsyncClient | None = None
 
     @property

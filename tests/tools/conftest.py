@@ -97,11 +97,12 @@ def trap() -> Iterator[LoopbackServer]:
 
 @pytest.fixture
 def settings(tmp_path: Path) -> ToolsSettings:
-    """Settings whose workspace and database live in the test's tmp folder; only 127.0.0.1 is allowed."""
+    """Settings whose workspace and database live in the test's tmp folder; of loopback only 127.0.0.1 (any port)
+    is allowed."""
     return ToolsSettings(
         workspace=str(tmp_path / "workspace"),
         sql_database=str(tmp_path / "data.db"),
-        allow_hosts=["127.0.0.1"],
+        allow_networks=["127.0.0.1/32"],
         http_timeout=10,
         browser_timeout=20,
     )

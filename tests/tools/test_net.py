@@ -37,7 +37,7 @@ async def test_connects_to_the_vetted_address_keeping_the_host_name(site: Loopba
 
 
 async def test_the_transport_refuses_without_any_precheck(trap: LoopbackServer) -> None:
-    async with client_for(SSRFGuard(allow_hosts=["127.0.0.1"])) as client:
+    async with client_for(SSRFGuard(allow_networks=["127.0.0.1/32"])) as client:
         with pytest.raises(BlockedURL, match=f"refused {trap.url('/secret')}: 127.0.0.2 is a loopback address"):
             await client.get(trap.url("/secret"))
         with pytest.raises(BlockedURL, match="only http and https URLs may be fetched"):
@@ -59,13 +59,13 @@ async def test_environment_proxies_are_ignored(site: LoopbackServer, monkeypatch
     site.routes["/"] = Reply(200, b"direct")
     monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
     monkeypatch.setenv("ALL_PROXY", "http://127.0.0.1:9")
-    async with client_for(SSRFGuard(allow_hosts=["127.0.0.1"])) as client:
+    async with client_for(SSRFGuard(allow_hosts=[f"127.0.0.1:{site.port}"])) as client:
         assert (await client.get(site.url())).text == "direct"
 
 
 async def test_redirects_are_not_followed_by_the_client(site: LoopbackServer) -> None:
     site.routes["/go"] = Reply(302, headers={"Location": "/there"})
-    async with client_for(SSRFGuard(allow_hosts=["127.0.0.1"])) as client:
+    async with client_for(SSRFGuard(allow_hosts=[f"127.0.0.1:{site.port}"])) as client:
         response = await client.get(site.url("/go"))
     assert response.status_code == 302 and site.paths() == ["/go"]
 

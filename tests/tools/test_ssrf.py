@@ -1,3 +1,4 @@
+import asyncio
 import ipaddress
 
 import pytest
@@ -122,7 +123,7 @@ async def test_unresolvable_host_is_a_clear_error() -> None:
 async def test_allow_hosts_and_networks() -> None:
     table = {"intranet.corp": ["10.0.0.7"], "api.intranet.corp": ["10.0.0.8"], "other.corp": ["10.9.9.9"],
              "meta.corp": ["169.254.169.254"]}
-    guard = SSRFGuard(allow_hosts=["intranet.corp", "*.intranet.corp", "meta.corp", "127.0.0.1"],
+    guard = SSRFGuard(allow_hosts=["intranet.corp", "*.intranet.corp", "meta.corp", "127.0.0.1", "127.0.0.1:8000"],
                       allow_networks=["10.9.0.0/16", "fd12::/16"], resolver=resolver_for(table))
     for url in ("http://intranet.corp/", "http://api.intranet.corp/", "http://other.corp/", "http://[fd12::1]/",
                 "http://127.0.0.1:8000/", "http://2130706433/"):
@@ -135,3 +136,54 @@ async def test_allow_hosts_and_networks() -> None:
     with pytest.raises(BlockedURL, match="loopback"):
         await guard.vet_url("http://127.0.0.2/")
     assert await SSRFGuard(allow_networks=["169.254.169.254/32"]).vet_url("http://169.254.169.254/")
+
+
+async def test_allow_hosts_entries_name_their_ports() -> None:
+    table = {"intranet.corp": ["10.0.0.7"], "a.svc": ["10.0.0.8"]}
+    guard = SSRFGuard(allow_hosts=["intranet.corp", "127.0.0.1:9000", "[::1]:8443", "*.svc:8080"],
+                      resolver=resolver_for(table))
+    for url in ("http://intranet.corp/", "https://intranet.corp/", "http://127.0.0.1:9000/", "https://[::1]:8443/",
+                "http://a.svc:8080/"):
+        await guard.vet_url(url)
+    # A host without a port is ports 80 and 443 only: allow-listing an address never opens its other ports.
+    for url in ("http://intranet.corp:8080/", "http://127.0.0.1:9001/", "http://127.0.0.1/", "http://[::1]/",
+                "http://a.svc/"):
+        with pytest.raises(BlockedURL):
+            await guard.vet_url(url)
+    for bad in ("intranet.corp:0", "intranet.corp:http", "[::1]8443", ":80", "host:70000"):
+        with pytest.raises(ValueError):
+            SSRFGuard(allow_hosts=[bad])
+
+
+async def test_the_gateways_own_address_is_never_reachable() -> None:
+    table = {"localhost": ["127.0.0.1", "::1"], "intranet.corp": ["10.0.0.7"]}
+    everything = dict(allow_hosts=["localhost:8000", "127.0.0.1:8000"], allow_networks=["127.0.0.0/8", "10.0.0.0/8"],
+                      resolver=resolver_for(table))
+    guard = SSRFGuard(**everything, own=[("127.0.0.1", 8000)])
+    for url in ("http://127.0.0.1:8000/admin/approvals", "http://localhost:8000/", "http://0.0.0.0:8000/",
+                "http://2130706433:8000/"):
+        with pytest.raises(BlockedURL, match="this gateway's own address"):
+            await guard.vet_url(url)
+    await guard.vet_url("http://127.0.0.1:8001/")  # other loopback ports stay as the lists say
+    listening_everywhere = SSRFGuard(**everything, own=[("0.0.0.0", 8000)])
+    with pytest.raises(BlockedURL, match="this gateway's own address"):
+        await listening_everywhere.vet_url("http://127.0.0.1:8000/")
+    await listening_everywhere.vet_url("http://intranet.corp:8000/")  # another machine's port 8000
+
+
+def test_the_gateway_gives_its_own_address_to_tools_and_callbacks(tmp_path) -> None:
+    from gateway.app import Gateway
+    from gateway.config import ConfigError, Settings, load_settings
+
+    settings = Settings.model_validate({
+        "store": {"path": str(tmp_path / "h.db")}, "server": {"port": 8123},
+        "tools": {"allow_networks": ["127.0.0.0/8"]}, "bot": {"callback_allow_networks": ["127.0.0.0/8"]},
+        "backends": [{"name": "u", "kind": "openai", "base_url": "http://127.0.0.1:9/v1", "models": ["m"]}]})
+    gateway = Gateway(settings)
+    for guard in (gateway.tool_context.guard, gateway.bot.platforms["webhook"].guard):
+        with pytest.raises(BlockedURL, match="own address"):
+            asyncio.run(guard.vet_url("http://127.0.0.1:8123/admin/adapters"))
+    config = tmp_path / "bad.toml"
+    config.write_text('[tools]\nallow_hosts = ["intranet.corp:http"]\n')
+    with pytest.raises(ConfigError, match="allow_hosts"):
+        load_settings(str(config))
