@@ -128,6 +128,8 @@ class ToolsSettings(_Section):
     sql_database: str | None = Field(None, description="SQLite file sql_query reads; none disables it.")
     sql_timeout: float = Field(5.0, gt=0, description="Seconds one query may run.")
     sql_max_rows: int = Field(200, gt=0, description="Most rows one query returns.")
+    sql_max_bytes: int = Field(262_144, ge=1000, le=100_000_000, description="Largest value a query may make, "
+                               "and most bytes of rows fetched (past it the rows are truncated).")
     allow_hosts: AllowHosts = Field(
         default_factory=list, description="Hosts network tools may reach even at private addresses: 'host' (ports "
         "80 and 443) or 'host:port'.")

@@ -1,4 +1,7 @@
 import sqlite3
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -8,6 +11,8 @@ from tools.builtin.sql_query import build, run_query
 from tools.context import ToolContext
 from tools.executor import execute
 from tools.spec import ToolError
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
@@ -24,8 +29,11 @@ def database(tmp_path: Path) -> str:
     return str(path)
 
 
-def query(database: str, sql: str, *, timeout: float = 5.0, max_rows: int = 100) -> dict:
-    return run_query(database, sql, timeout=timeout, max_rows=max_rows)
+MAX_BYTES = ToolsSettings().sql_max_bytes
+
+
+def query(database: str, sql: str, *, timeout: float = 5.0, max_rows: int = 100, max_bytes: int = MAX_BYTES) -> dict:
+    return run_query(database, sql, timeout=timeout, max_rows=max_rows, max_bytes=max_bytes)
 
 
 def state(database: str) -> tuple:
@@ -95,6 +103,73 @@ def test_refusal_names_the_action(database: str) -> None:
         query(database, "WITH x AS (SELECT 1) INSERT INTO t (id) SELECT * FROM x")
     with pytest.raises(ToolError, match="refused: PRAGMA user_version"):
         query(database, "PRAGMA user_version=5")
+    with pytest.raises(ToolError, match="refused: FUNCTION load_extension$"):
+        query(database, "SELECT load_extension('x')")
+
+
+@pytest.mark.parametrize("sql", [
+    "SELECT hex(fts3_tokenizer('simple'))",  # a native pointer: where the library lies in memory
+    "SELECT fts5(NULL)",
+    "SELECT sqlite_log(1, 'x')",
+    "SELECT rtreenode(2, x'00')",
+])
+def test_only_allow_listed_functions_run(database: str, sql: str) -> None:
+    name = sql.split("(")[1].split()[-1] if sql.startswith("SELECT hex") else sql.split()[1].split("(")[0]
+    with pytest.raises(ToolError, match=f"refused: FUNCTION {name}"):
+        query(database, sql)
+
+
+def test_everyday_functions_are_allowed(database: str) -> None:
+    result = query(database, """SELECT abs(-1), upper(name), json_extract('{"a": 2}', '$.a'), '{"b": 3}' ->> 'b',
+        date('2026-01-02'), round(pi(), 2), row_number() OVER (ORDER BY id), count(*) OVER (), coalesce(NULL, 1),
+        printf('%05d', id), group_concat(name) OVER () FROM t WHERE id = 1""")
+    assert result["rows"] == [[1, "ADA", 2, 3, "2026-01-02", 3.14, 1, 1, 1, "00001", "ada"]]
+
+
+def test_a_huge_value_fails_at_once(database: str) -> None:
+    started = time.monotonic()
+    for sql in ("SELECT length(randomblob(900000000))", "SELECT length(zeroblob(2000000))",
+                "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 100000) "
+                "SELECT length(group_concat(printf('%100d', x))) FROM c"):
+        with pytest.raises(ToolError, match=f"exceed the limit of {MAX_BYTES} bytes"):
+            query(database, sql)
+    assert time.monotonic() - started < 2
+
+
+def test_fetching_stops_at_the_byte_limit(database: str) -> None:
+    # 1.3 GB of blobs asked for, 100 kB each: only what fits in the limit is fetched.
+    result = query(database, "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 13000) "
+                             "SELECT x, zeroblob(100000) FROM c")
+    assert result["truncated"] is True and result["row_count"] == MAX_BYTES // 100_008
+
+
+def test_the_tools_memory_stays_bounded(database: str) -> None:
+    program = f"""
+import resource, sys
+sys.path.insert(0, {str(ROOT)!r})
+from tools.builtin.sql_query import run_query
+from tools.spec import ToolError
+def rss_mb():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+run_query({database!r}, "SELECT 1", timeout=5, max_rows=10, max_bytes={MAX_BYTES})
+idle = rss_mb()
+for sql in ("SELECT length(randomblob(900000000))",
+            "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 13000) "
+            "SELECT x, zeroblob(100000) FROM c",
+            "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 5000) "
+            "SELECT sum(length(zeroblob({MAX_BYTES}))) FROM c",
+            "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 2000) "
+            "SELECT x, randomblob({MAX_BYTES - 100}) FROM c ORDER BY random()"):
+    try:
+        run_query({database!r}, sql, timeout=5, max_rows=200, max_bytes={MAX_BYTES})
+    except ToolError:
+        pass
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - idle)
+"""
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout) < 50, f"the tool's peak grew {float(out.stdout):.0f} MB above idle"
 
 
 def test_runaway_query_hits_the_time_limit(database: str) -> None:
