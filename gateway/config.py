@@ -92,6 +92,8 @@ class BackendSettings(_Section):
     read_timeout: float = Field(120.0, gt=0)
     max_retries: int = Field(2, ge=0, description="Retries on connection errors, 429 and 5xx.")
     max_connections: int = Field(256, gt=0)
+    max_response_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest upstream response (a stream's "
+                                    "events together); past it the exchange ends with a 502, recorded as an error.")
     # local kind
     model_path: str | None = Field(
         None, description="local: a GGUF file or a cached folder; default the embedded model.")

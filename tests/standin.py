@@ -65,6 +65,8 @@ class StandIn:
             self.seen_flaky.add(text)
             return Response(b'{"error": {"message": "try again"}}', status_code=503, media_type="application/json")
         message: dict[str, Any] = {"role": "assistant", "content": f"echo: {text}"}
+        if command == "big":  # a reply of about int(arg) characters, in words of a thousand
+            message["content"] = " ".join("x" * 999 for _ in range(int(arg) // 1000))
         finish = "stop"
         if command == "tool":
             message = {"role": "assistant", "content": None, "tool_calls": [{

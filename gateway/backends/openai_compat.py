@@ -31,6 +31,7 @@ from gateway.config import BackendSettings
 log = structlog.get_logger()
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+ERROR_BODY_BYTES = 65_536  # of an error response: enough to quote its message
 
 
 class _Retryable(Exception):
@@ -101,7 +102,8 @@ class OpenAICompatBackend:
             body.pop("stream_options", None)
         return body
 
-    async def _send(self, body: dict[str, Any], stream: bool) -> httpx.Response:
+    async def _send(self, body: dict[str, Any], stream: bool) -> tuple[httpx.Response, bytes]:
+        """The upstream's response, with its whole body when not streaming (read under the size cap)."""
         assert self._client is not None, "backend not started"
         content = orjson.dumps(body)
         retrying = AsyncRetrying(
@@ -118,12 +120,22 @@ class OpenAICompatBackend:
             raise exc.error from None
         raise AssertionError("unreachable")
 
-    async def _attempt(self, content: bytes, stream: bool) -> httpx.Response:
+    async def _attempt(self, content: bytes, stream: bool) -> tuple[httpx.Response, bytes]:
         assert self._client is not None
         request = self._client.build_request(
             "POST", "/chat/completions", content=content, headers={"Content-Type": "application/json"})
         try:
-            response = await self._client.send(request, stream=stream)
+            # Always streamed from the socket, so no body is read beyond its cap.
+            response = await self._client.send(request, stream=True)
+            if response.status_code >= 400:
+                body = await _read(response, ERROR_BODY_BYTES, self.name, truncate=True)
+                error = _upstream_error(response, body)
+                if response.status_code in RETRY_STATUSES:
+                    raise _Retryable(error)
+                raise error
+            if stream:
+                return response, b""
+            return response, await _read(response, self.settings.max_response_bytes, self.name)
         except httpx.ConnectTimeout:
             raise _Retryable(BackendUnavailable(f"backend {self.name!r} did not accept a connection in time")) from None
         except httpx.TimeoutException as exc:
@@ -132,19 +144,11 @@ class OpenAICompatBackend:
         except httpx.TransportError as exc:
             raise _Retryable(BackendUnavailable(
                 f"backend {self.name!r} is unreachable: {exc or type(exc).__name__}")) from None
-        if response.status_code >= 400:
-            body = await response.aread()
-            await response.aclose()
-            error = _upstream_error(response, body)
-            if response.status_code in RETRY_STATUSES:
-                raise _Retryable(error)
-            raise error
-        return response
 
     async def chat(self, request: ChatRequest) -> ChatResult:
-        response = await self._send(self._body(request, stream=False), stream=False)
+        _, content = await self._send(self._body(request, stream=False), stream=False)
         try:
-            data = orjson.loads(response.content)
+            data = orjson.loads(content)
         except orjson.JSONDecodeError:
             raise BadGateway(f"backend {self.name!r} returned a body that is not JSON") from None
         if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
@@ -152,28 +156,54 @@ class OpenAICompatBackend:
         return ChatResult(response=data)
 
     async def stream(self, request: ChatRequest) -> UpstreamStream:
-        response = await self._send(self._body(request, stream=True), stream=True)
-        return UpstreamStream(response, self.name)
+        response, _ = await self._send(self._body(request, stream=True), stream=True)
+        return UpstreamStream(response, self.name, self.settings.max_response_bytes)
+
+
+async def _read(response: httpx.Response, limit: int, backend: str, *, truncate: bool = False) -> bytes:
+    """At most ``limit`` bytes of the body, then the response is closed; past it, ``BadGateway`` (or, with
+    ``truncate``, the first ``limit`` bytes: enough of an error body to quote)."""
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in response.aiter_bytes():
+            size += len(chunk)
+            if size > limit:
+                if truncate:
+                    chunks.append(chunk[:limit - size])
+                    break
+                raise BadGateway(f"backend {backend!r} sent a response larger than its limit of {limit} bytes "
+                                 "(max_response_bytes)")
+            chunks.append(chunk)
+    finally:
+        await response.aclose()
+    return b"".join(chunks)
 
 
 class UpstreamStream:
     """Relays an upstream SSE stream chunk by chunk, never buffering the whole response."""
 
-    def __init__(self, response: httpx.Response, backend: str) -> None:
+    def __init__(self, response: httpx.Response, backend: str, max_bytes: int) -> None:
         self._response = response
         self._backend = backend
+        self._max_bytes = max_bytes
         self.extras = CallExtras()
 
     def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
         return self._chunks()
 
     async def _chunks(self) -> AsyncIterator[dict[str, Any]]:
+        size = 0
         try:
             async for event in EventSource(self._response):
                 if event.data == "[DONE]":
                     return
                 if not event.data:
                     continue
+                size += len(event.data)
+                if size > self._max_bytes:
+                    raise BadGateway(f"backend {self._backend!r} streamed more than its limit of {self._max_bytes} "
+                                     "bytes (max_response_bytes)")
                 try:
                     chunk = orjson.loads(event.data)
                 except orjson.JSONDecodeError:

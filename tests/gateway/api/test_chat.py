@@ -265,3 +265,28 @@ def test_models_health_and_metrics(shared_gateway: GatewayProcess) -> None:
     assert 'harness_tokens_total{kind="prompt",model="stand-in-model"}' in text
     r = httpx.get(shared_gateway.url + "/no/such/route")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_an_upstream_reply_over_the_size_cap_is_a_502_recorded_as_an_error(standin, tmp_path: Path) -> None:
+    gw = GatewayProcess(upstream_config(standin[1], backend="max_response_bytes = 1000000"), tmp_path).start()
+    try:
+        assert httpx.post(gw.url + "/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "big:500000"}]}).status_code == 200
+        r = httpx.post(gw.url + "/v1/chat/completions", timeout=30,
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "big:2000000"}]})
+        assert r.status_code == 502 and "larger than its limit of 1000000 bytes" in r.json()["error"]["message"]
+        tid = r.headers["x-harness-trajectory-id"]
+        assert _rows(gw, "SELECT status FROM model_calls WHERE trajectory_id = ?", (tid,)) == [("error",)]
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", timeout=30, json={
+                "model": MODEL, "stream": True, "messages": [{"role": "user", "content": "big:3000000"}]}) as s:
+            tid = s.headers["x-harness-trajectory-id"]
+            lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+        relayed = sum(len(line) for line in lines)
+        assert relayed < 1_200_000, "the stream went on past the cap"
+        assert any("more than its limit of 1000000 bytes" in line for line in lines[-2:]), lines[-2:]
+        shown = httpx.get(f"{gw.url}/v1/trajectories/{tid}").json()
+        [call] = shown["calls"]
+        assert call["status"] == "error"
+        assert len(call["response"]["choices"][0]["message"]["content"]) > 500_000  # the part that was relayed
+    finally:
+        gw.stop()
