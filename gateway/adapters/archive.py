@@ -8,6 +8,7 @@ so an archive cannot write outside its folder or fill the disk.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import shutil
 import tarfile
@@ -36,9 +37,10 @@ def pack(folder: str | Path) -> bytes:
 class Unpacked:
     """An archive unpacked into a staging folder, waiting to be moved to its final place (or discarded)."""
 
-    def __init__(self, staging: Path, folder: Path) -> None:
+    def __init__(self, staging: Path, folder: Path, *, made_parent: bool) -> None:
         self.staging = staging
         self.folder = folder
+        self.made_parent = made_parent  # the staging folder's parent was made for this upload
 
     def move_to(self, final: Path) -> str:
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -49,12 +51,21 @@ class Unpacked:
         return str(final.resolve())
 
     def discard(self) -> None:
-        shutil.rmtree(self.staging, ignore_errors=True)
+        """Removes the staging folder, and the parent made for it when nothing else landed there."""
+        _remove(self.staging, self.made_parent)
+
+
+def _remove(staging: Path, made_parent: bool) -> None:
+    shutil.rmtree(staging, ignore_errors=True)
+    if made_parent:
+        with contextlib.suppress(OSError):  # not empty: another version or upload lives there
+            staging.parent.rmdir()
 
 
 def unpack(data: bytes, destination: Path, *, max_bytes: int) -> Unpacked:
     """Unpack an archive into a new staging folder under ``destination``. Raises RegistryError (400) for
     anything unsafe or not an adapter."""
+    made_parent = not destination.exists()
     destination.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".upload-", dir=destination))
     try:
@@ -81,9 +92,9 @@ def unpack(data: bytes, destination: Path, *, max_bytes: int) -> Unpacked:
                 tar.extractall(staging, members=members, filter="data")
             except (tarfile.TarError, OSError) as exc:
                 raise RegistryError(f"the archive cannot be unpacked: {exc}", code="invalid_archive") from None
-        return Unpacked(staging, _adapter_folder(staging))
+        return Unpacked(staging, _adapter_folder(staging), made_parent=made_parent)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        _remove(staging, made_parent)
         raise
 
 

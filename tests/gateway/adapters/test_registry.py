@@ -167,7 +167,7 @@ def test_unsafe_or_wrong_archives_are_refused_and_leave_nothing(tmp_path: Path, 
     with pytest.raises(RegistryError) as caught:
         archive.unpack(tar_of(entries), tmp_path / "dest", max_bytes=1 << 20)
     assert fragment in caught.value.message
-    assert list((tmp_path / "dest").iterdir()) == []
+    assert not (tmp_path / "dest").exists()  # not even the folder made for it
     assert not (tmp_path / "evil.json").exists()
 
 
@@ -183,3 +183,14 @@ def test_garbage_is_not_an_archive(tmp_path: Path) -> None:
     with pytest.raises(RegistryError) as caught:
         archive.unpack(b"this is not a tar file", tmp_path, max_bytes=1 << 20)
     assert caught.value.code == "invalid_archive"
+    assert tmp_path.is_dir() and list(tmp_path.iterdir()) == []  # a folder that was there stays
+
+
+def test_an_upload_whose_registration_fails_leaves_no_folder(tmp_path: Path) -> None:
+    data = tar_of([(tarfile.TarInfo("adapter_config.json"), b"{}")])
+    unpacked = archive.unpack(data, tmp_path / "adapters" / "sql", max_bytes=1 << 20)
+    unpacked.discard()  # what the service does when registering it failed
+    assert not (tmp_path / "adapters" / "sql").exists()
+    (tmp_path / "adapters" / "sql" / "1").mkdir(parents=True)  # an earlier version
+    archive.unpack(data, tmp_path / "adapters" / "sql", max_bytes=1 << 20).discard()
+    assert [p.name for p in (tmp_path / "adapters" / "sql").iterdir()] == ["1"]
