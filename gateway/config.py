@@ -58,6 +58,8 @@ class ServerSettings(_Section):
     admin_key_env: str = Field("HARNESS_ADMIN_KEY", description="Variable holding the admin key.")
     auth_cache_seconds: float = Field(5.0, ge=0, description="How long a key lookup is trusted: a key revoked "
                                       "from the CLI keeps working for at most this long.")
+    metrics_auth: Literal["open", "key", "admin"] = Field(
+        "open", description="Who may read /metrics: anyone, any API key (or the admin key), or the admin key.")
     guard_retries: int = Field(1, ge=0, description="Proxy mode: times an invalid tool call goes back to the model "
                                "before the client sees it.")
     log_format: Literal["auto", "json", "console"] = Field(

@@ -16,4 +16,11 @@ async def healthz(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(request.app.state.gateway.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    gateway = request.app.state.gateway
+    # [server] metrics_auth: "open" (scrapers on a private network), "key" (any API key), "admin" (the admin key).
+    mode = gateway.settings.server.metrics_auth
+    if mode == "admin":
+        await gateway.auth.require_admin(request.headers)
+    elif mode == "key":
+        await gateway.auth.authenticate(request.headers)
+    return Response(gateway.metrics.render(), media_type=CONTENT_TYPE_LATEST)

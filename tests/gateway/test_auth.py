@@ -193,3 +193,21 @@ async def test_open_mode_is_loopback_only_and_ends_with_the_first_key(store) -> 
         await auth.authenticate(no_key)
     with pytest.raises(APIError):
         await auth.authenticate(Headers({"authorization": "Bearer anything"}))
+
+
+@pytest.mark.parametrize("mode", ["key", "admin"])
+def test_metrics_can_require_a_key(standin, tmp_path: Path, mode: str) -> None:
+    config = upstream_config(standin[1], extra=f'[server]\nmetrics_auth = "{mode}"\n')
+    gw = GatewayProcess(config, tmp_path, env={"HARNESS_ADMIN_KEY": ADMIN})
+    _, secret = _new_key(gw.config, "acme")
+    gw.start()
+    try:
+        def scrape(key: str | None) -> int:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            return httpx.get(gw.url + "/metrics", headers=headers).status_code
+
+        assert scrape(None) == 401 and scrape("garbage") == 401
+        assert scrape(ADMIN) == 200
+        assert scrape(secret) == (200 if mode == "key" else 401)
+    finally:
+        gw.stop()
