@@ -46,6 +46,7 @@ def serve(config: str | None = ConfigOption,
 
     from gateway.app import build_app
     from gateway.logging import configure_logging
+    from gateway.server import bounded_protocol
 
     settings = settings_or_exit(config)
     if host is not None:
@@ -64,9 +65,12 @@ def serve(config: str | None = ConfigOption,
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    uvicorn.run(application, host=settings.server.host, port=settings.server.port,
-                log_level="warning", access_log=False, loop="uvloop", http="httptools",
-                timeout_graceful_shutdown=10)
+    server = settings.server
+    protocol = bounded_protocol(max_head_bytes=server.max_head_bytes, max_headers=server.max_headers,
+                                head_timeout=server.head_timeout)
+    uvicorn.run(application, host=server.host, port=server.port, log_level="warning", access_log=False,
+                loop="uvloop", http=protocol, timeout_graceful_shutdown=10,
+                timeout_keep_alive=server.keep_alive_seconds, limit_concurrency=server.max_connections)
 
 
 @app.command("run")

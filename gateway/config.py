@@ -55,6 +55,14 @@ class ServerSettings(_Section):
     host: str = Field("127.0.0.1", description="Address to bind.")
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 picks a free one).")
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest accepted request body.")
+    max_head_bytes: int = Field(65_536, ge=1024, description="Largest request line and headers together; "
+                                "larger heads get 431 before the rest is read.")
+    max_headers: int = Field(100, gt=0, description="Most headers in one request; more get 431.")
+    head_timeout: float = Field(10.0, gt=0, description="Seconds a connection may take to send a complete request "
+                                "head (from connecting, or from the head's first byte on a kept-alive connection).")
+    keep_alive_seconds: float = Field(5.0, gt=0, description="Seconds an idle kept-alive connection stays open.")
+    max_connections: int = Field(2048, gt=0, description="Connections and requests in flight before new requests "
+                                 "get 503.")
     admin_key_env: str = Field("HARNESS_ADMIN_KEY", description="Variable holding the admin key.")
     auth_cache_seconds: float = Field(5.0, ge=0, description="How long a key lookup is trusted: a key revoked "
                                       "from the CLI keeps working for at most this long.")
