@@ -5,53 +5,22 @@ This is the only module that reads the environment. Everything else receives a `
 
 from __future__ import annotations
 
-import ipaddress
-import math
 import os
-import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
+
+from replay.settings import RewardSettings, StoreSettings
+from tools.settings import AllowHosts, ConfigError, Networks, Section, ToolsSettings
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 ENV_PREFIX = "HARNESS_"
 
 
-class ConfigError(ValueError):
-    """The configuration cannot be used; the message says which key and why."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-def _check_networks(value: list[str]) -> list[str]:
-    for entry in value:
-        try:
-            ipaddress.ip_network(entry, strict=False)
-        except ValueError as exc:
-            raise ValueError(str(exc)) from None
-    return value
-
-
-Networks = Annotated[list[str], AfterValidator(_check_networks)]
-
-
-def _check_allow_hosts(value: list[str]) -> list[str]:
-    from tools.ssrf import parse_allow_host  # here: tools imports this module
-
-    for entry in value:
-        parse_allow_host(entry)
-    return value
-
-
-AllowHosts = Annotated[list[str], AfterValidator(_check_allow_hosts)]
-
-
-class ServerSettings(_Section):
+class ServerSettings(Section):
     host: str = Field("127.0.0.1", description="Address to bind.")
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 picks a free one).")
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest accepted request body.")
@@ -78,21 +47,7 @@ class ServerSettings(_Section):
     admin_key: str | None = Field(None, exclude=True)
 
 
-class StoreSettings(_Section):
-    path: str = Field("harness.db", description="SQLite file for trajectories.")
-    synchronous: Literal["NORMAL", "FULL"] = Field(
-        "NORMAL", description="NORMAL survives a process crash; FULL also a power loss."
-    )
-    retention_days: float | None = Field(None, gt=0, description="Delete trajectories older than this.")
-    max_batch: int = Field(256, gt=0, description="Most records committed in one transaction.")
-    max_queue: int = Field(100_000, gt=0, description="Pending records before requests wait (backpressure).")
-    commit_delay_ms: float = Field(0.0, ge=0, description="Injected delay before each commit (tests only).")
-    redact_defaults: bool = Field(True, description="Exports remove API keys, bearer tokens and e-mail addresses.")
-    redact_patterns: list[str] = Field(default_factory=list,
-                                       description="More regular expressions whose matches exports redact.")
-
-
-class BackendSettings(_Section):
+class BackendSettings(Section):
     name: str
     kind: Literal["openai", "sglang", "vllm", "local"] = "openai"
     base_url: str | None = None
@@ -127,38 +82,7 @@ class BackendSettings(_Section):
         return self
 
 
-class ToolsSettings(_Section):
-    workspace: str = Field("workspace", description="Folder write_file writes into (created when missing).")
-    write_requires_approval: bool = Field(True, description="write_file waits for approval before running.")
-    require_approval: list[str] = Field(default_factory=list, description="More tools (by name) whose calls wait "
-                                        "for a person's approval.")
-    approval_expiry_seconds: float = Field(86_400.0, gt=0, description="A call nobody approved or denied within "
-                                           "this long is given up, and the run goes on without it.")
-    approval_poll_seconds: float = Field(5.0, gt=0, description="How often the gateway looks for decisions made "
-                                         "from the command line and for expired approvals.")
-    write_max_bytes: int = Field(1_000_000, gt=0, description="Largest file write_file writes.")
-    sql_database: str | None = Field(None, description="SQLite file sql_query reads; none disables it.")
-    sql_timeout: float = Field(5.0, gt=0, description="Seconds one query may run.")
-    sql_max_rows: int = Field(200, gt=0, description="Most rows one query returns.")
-    sql_max_bytes: int = Field(262_144, ge=1000, le=100_000_000, description="Largest value a query may make, "
-                               "and most bytes of rows fetched (past it the rows are truncated).")
-    allow_hosts: AllowHosts = Field(
-        default_factory=list, description="Hosts network tools may reach even at private addresses: 'host' (ports "
-        "80 and 443) or 'host:port'.")
-    allow_networks: Networks = Field(
-        default_factory=list, description="CIDR ranges network tools may reach even when private.")
-    http_timeout: float = Field(20.0, gt=0, description="Seconds one http_get call may take.")
-    http_max_redirects: int = Field(5, ge=0, description="Most redirects http_get follows.")
-    http_max_bytes: int = Field(2_000_000, gt=0, description="Most bytes read from one response.")
-    user_agent: str = Field("agent-harness-tools/0.1", description="User-Agent of network tools.")
-    browser_executable: str = Field("/usr/bin/chromium", description="Chromium binary browse drives.")
-    browser_timeout: float = Field(30.0, gt=0, description="Seconds one browse call may take.")
-    browser_max_pages: int = Field(4, gt=0, description="Most pages open at once.")
-    output_cap: int = Field(20_000, gt=0, description="Most characters of a built-in tool's result.")
-
-
-
-class ProfileSettings(_Section):
+class ProfileSettings(Section):
     """An agent profile: ``model = "agent:<name>"`` runs this agent to completion on the server."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$")
@@ -177,44 +101,13 @@ class ProfileSettings(_Section):
     max_tokens: int | None = Field(None, ge=1, description="Per model call.")
 
 
-class RewardSettings(BaseModel):
-    """Weights of the reward engine's signals (``replay/rewards.py``). Every signal is a number in [0, 1];
-    a negative weight makes a signal a penalty. Any other key is the weight of a signal registered by name."""
-
-    model_config = ConfigDict(extra="allow")
-
-    task_success: float = Field(1.0, allow_inf_nan=False, description="Verifier verdict, else user feedback.")
-    process_validity: float = Field(0.3, allow_inf_nan=False,
-                                    description="Valid tool calls times successful results used later.")
-    illegal_action_penalty: float = Field(-1.0, allow_inf_nan=False,
-                                          description="Steps with invalid or refused calls; 1 on loop or "
-                                          "budget terminations.")
-    efficiency: float = Field(0.1, allow_inf_nan=False, description="Fewer steps, scaled by the step limit.")
-
-    @model_validator(mode="after")
-    def _check_extra_weights(self) -> RewardSettings:
-        extra = self.__pydantic_extra__ or {}
-        for name, value in list(extra.items()):
-            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.\-]*", name):
-                raise ValueError(f"{name!r} is not a signal name")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"the weight of signal {name!r} must be a finite number, got {value!r}")
-            extra[name] = float(value)
-        return self
-
-    def weights(self) -> dict[str, float]:
-        """Every configured weight: the four built-in signals, then registered ones by name."""
-        return {**{name: getattr(self, name) for name in type(self).model_fields},
-                **(self.__pydantic_extra__ or {})}
-
-
-class CanarySettings(_Section):
+class CanarySettings(Section):
     model: str = Field(description="The alias (or model name) whose traffic is split, as clients name it.")
     target: str = Field(description="Where the canary share goes, usually a candidate version: 'base:adapter@4'.")
     share: float = Field(ge=0.0, le=1.0, description="Fraction of sessions sent to the target.")
 
 
-class RoutingSettings(_Section):
+class RoutingSettings(Section):
     aliases: dict[str, str] = Field(default_factory=dict, description="Model names clients use, and what each "
                                     "stands for ('support' = 'qwen:sql').")
     default_model: str | None = Field(None, description="Model for requests that name none, after key and tenant "
@@ -238,7 +131,7 @@ class RoutingSettings(_Section):
         return self
 
 
-class GateSettings(_Section):
+class GateSettings(Section):
     """How much worse than the reference (the active adapter, else the base) a candidate may be on the test split."""
 
     success_rate: float = Field(0.0, ge=0, description="Largest drop in task success rate allowed.")
@@ -250,7 +143,7 @@ class GateSettings(_Section):
                                       "general data (0.05 = 5%).")
 
 
-class RLSettings(_Section):
+class RLSettings(Section):
     """Group-relative RL on LoRA (``replay-train --mode rl|sft+rl``): rollouts, the update, validation."""
 
     algorithm: Literal["grpo", "rloo"] = Field("grpo", description="How a group's rewards become advantages: "
@@ -282,7 +175,7 @@ class RLSettings(_Section):
                               "by more than this stops the run.")
 
 
-class TrainingSettings(_Section):
+class TrainingSettings(Section):
     base_model: str = Field(DEFAULT_MODEL_NAME, description="The served base model adapters are trained for.")
     model_path: str | None = Field(None, description="Weights to train on: a GGUF or checkpoint folder; default "
                                    "the embedded model.")
@@ -314,7 +207,7 @@ class TrainingSettings(_Section):
     rl: RLSettings = Field(default_factory=RLSettings)
 
 
-class WeComSettings(_Section):
+class WeComSettings(Section):
     """A WeCom (企业微信) self-built application whose callback URL points at ``/bot/wecom/callback``."""
 
     corp_id: str | None = Field(None, description="The company's corp id (the receive id of its callback "
@@ -335,7 +228,7 @@ class WeComSettings(_Section):
     corp_secret: str | None = Field(None, exclude=True)
 
 
-class BotSettings(_Section):
+class BotSettings(Section):
     """The chat-bot backend: the signed JSON webhook ``/bot/v1/...`` and platform adapters."""
 
     profile: str | None = Field(None, description="The agent profile that answers; the bot routes are off "
@@ -361,7 +254,7 @@ class BotSettings(_Section):
     secret: str | None = Field(None, exclude=True)
 
 
-class Settings(_Section):
+class Settings(Section):
     server: ServerSettings = Field(default_factory=ServerSettings)
     store: StoreSettings = Field(default_factory=StoreSettings)
     backends: list[BackendSettings] = Field(default_factory=list)

@@ -23,13 +23,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
-from gateway.agent.limits import MAX_STEPS
-from gateway.config import ProfileSettings, RewardSettings
 from replay.filters import Filters
+from replay.settings import RewardSettings
 from replay.signals import (
     DEFAULT_STEP_LIMIT,
     SIGNALS,
@@ -38,6 +37,7 @@ from replay.signals import (
     TrajectoryView,
 )
 from replay.store import TrajectoryStore, WriteOp
+from replay.vocabulary import MAX_STEPS
 
 ENGINE = "reward_engine"
 SUCCESS_UNKNOWN = "success_unknown"
@@ -90,7 +90,14 @@ class RewardSummary:
 # -- weights and scoring -----------------------------------------------------------------------------
 
 
-def step_limits(profiles: Iterable[ProfileSettings]) -> dict[str, int]:
+class StepLimited(Protocol):
+    """What the efficiency signal needs of an agent profile (the gateway's ``[[profiles]]`` entries)."""
+
+    name: str
+    max_steps: int
+
+
+def step_limits(profiles: Iterable[StepLimited]) -> dict[str, int]:
     """Each agent profile's ``max_steps``, by name: what the efficiency signal scales an agent run's steps by."""
     return {p.name: p.max_steps for p in profiles}
 

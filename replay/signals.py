@@ -24,7 +24,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import orjson
 
-from gateway.agent.limits import DEADLINE, LOOP_DETECTED, MAX_STEPS, MAX_TOTAL_TOKENS, TOOL_FAILURES
+from replay.vocabulary import DEADLINE, LOOP_DETECTED, MAX_STEPS, MAX_TOTAL_TOKENS, TOOL_FAILURES
 
 # Terminations that cost the whole illegal-action penalty: the run looped or spent a budget.
 PENALISED_TERMINATIONS = frozenset({LOOP_DETECTED, MAX_STEPS, MAX_TOTAL_TOKENS, DEADLINE, TOOL_FAILURES})

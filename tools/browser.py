@@ -27,8 +27,8 @@ import structlog
 from playwright.async_api import Browser, Page, Playwright, Request, Route, async_playwright
 from playwright.async_api import Error as PlaywrightError
 
-from gateway.config import ToolsSettings
 from tools.net import Fetched, fetch
+from tools.settings import ToolsSettings
 from tools.spec import ToolError
 from tools.ssrf import BlockedURL
 

@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from gateway.config import ToolsSettings
 from tools.extras import MissingExtra, require_extra
 from tools.net import guarded_client
+from tools.settings import ToolsSettings
 from tools.spec import ToolError
 from tools.ssrf import SSRFGuard
 

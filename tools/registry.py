@@ -6,8 +6,8 @@ import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from gateway.config import ConfigError, ToolsSettings
 from tools.builtin import browse, calculator, http_get, send_message, sql_query, write_file
+from tools.settings import ConfigError, ToolsSettings
 from tools.spec import ToolFunction, ToolSpec
 
 

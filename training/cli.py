@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 import orjson
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from gateway.adapters.registry import AdapterRegistry, RegistryError, parse_ref
 from gateway.cli_support import ConfigOption, fail, settings_or_exit
@@ -73,20 +72,6 @@ def adapter_folder(settings: Settings, model: str) -> str | None:
         fail(f"{model!r} is neither 'base', an adapter folder, nor a registered adapter: {exc.message}", 2)
 
 
-def print_reports(reports: list[Report], title: str) -> None:
-    from training.metrics import METRICS, format_value
-
-    table = Table(title=title)
-    table.add_column("metric")
-    for report in reports:
-        table.add_column(report.model, justify="right")
-    for metric in METRICS:
-        table.add_row(metric, *(format_value(metric, r.metrics.get(metric)) for r in reports))
-    table.add_row("episodes", *(str(len(r.episodes)) for r in reports))
-    table.add_row("seconds", *(f"{r.seconds:.0f}" for r in reports))
-    console.print(table)
-
-
 ModelArgument = typer.Argument(..., help="'base', an adapter folder, or a registered NAME[@V].")
 
 
@@ -101,7 +86,7 @@ def eval_command(model: str = ModelArgument,
     suite_name, split = _suite(settings, suite), _split(split)
     adapter = adapter_folder(settings, model)
     require_extra("train", "harness eval")
-    from training.evaluate import Evaluator, write_reports
+    from training.evaluate import Evaluator, report_table, write_reports
     from training.general import GeneralCheck
 
     async def run() -> Report:
@@ -115,7 +100,7 @@ def eval_command(model: str = ModelArgument,
     if as_json:
         typer.echo(orjson.dumps(report.metrics).decode())
     else:
-        print_reports([report], f"{suite_name} / {split}")
+        console.print(report_table([report], f"{suite_name} / {split}"))
         console.print(f"wrote {json_path} and {png_path}")
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import orjson
 import structlog
+from rich.table import Table
 from tqdm import tqdm
 
 from gateway.agent.limits import Limits
@@ -25,7 +26,7 @@ from gateway.backends.base import Backend, ChatRequest, ChatResult
 from gateway.backends.local import LocalBackend
 from gateway.config import BackendSettings, TrainingSettings
 from replay.store import new_id
-from training.metrics import METRICS, Episode, metrics_of
+from training.metrics import METRICS, Episode, format_value, metrics_of
 from training.tasks import Suite, Task, get_suite
 
 log = structlog.get_logger()
@@ -163,6 +164,19 @@ def spread(tasks: list[Task], count: int) -> list[Task]:
     if not count or count >= len(tasks):
         return tasks
     return [tasks[i * len(tasks) // count] for i in range(count)]
+
+
+def report_table(reports: list[Report], title: str) -> Table:
+    """The reports side by side, a metric a row: what ``harness eval`` and ``harness replay-train`` print."""
+    table = Table(title=title)
+    table.add_column("metric")
+    for report in reports:
+        table.add_column(report.model, justify="right")
+    for metric in METRICS:
+        table.add_row(metric, *(format_value(metric, r.metrics.get(metric)) for r in reports))
+    table.add_row("episodes", *(str(len(r.episodes)) for r in reports))
+    table.add_row("seconds", *(f"{r.seconds:.0f}" for r in reports))
+    return table
 
 
 def write_reports(reports: list[Report], out: Path, *, title: str) -> tuple[Path, Path]:

@@ -44,7 +44,7 @@ from replay.filters import Filters
 from replay.rewards import recompute, signal_weights, step_limits
 from replay.store import TrajectoryStore
 from training import data
-from training.evaluate import Evaluator, write_reports
+from training.evaluate import Evaluator, report_table, write_reports
 from training.gate import Decision, decide
 from training.general import GeneralCheck
 from training.metrics import rank
@@ -172,9 +172,7 @@ async def replay_train(settings: Settings, filters: Filters, *, mode: str = "sft
         stage("register", f"{version.backend_name} ({version.status}) in {settings.store.path}"
               + ("; not published: the gate refused it" if publish else ""))
 
-    from training.cli import print_reports
-
-    print_reports(reports, f"{suite.name} / test: before and after")
+    console.print(report_table(reports, f"{suite.name} / test: before and after"))
     return outcome
 
 

@@ -12,14 +12,16 @@ from typing import Any
 
 import orjson
 
-# Reasons a run ends other than completing; the names are a public contract.
-MAX_STEPS = "max_steps"
-MAX_TOTAL_TOKENS = "max_total_tokens"
-DEADLINE = "deadline"
-TOOL_FAILURES = "tool_failures"
-LOOP_DETECTED = "loop_detected"
-CLIENT_DISCONNECTED = "client_disconnected"
-BACKEND_ERROR = "backend_error"
+# Reasons a run ends other than completing: the store's vocabulary, re-exported for the loop's own use.
+from replay.vocabulary import (  # noqa: F401
+    BACKEND_ERROR,
+    CLIENT_DISCONNECTED,
+    DEADLINE,
+    LOOP_DETECTED,
+    MAX_STEPS,
+    MAX_TOTAL_TOKENS,
+    TOOL_FAILURES,
+)
 
 
 class Termination(Exception):

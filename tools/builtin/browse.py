@@ -9,10 +9,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gateway.config import ToolsSettings
 from tools.builtin.common import URL_PARAMETERS, put_text
 from tools.context import ToolContext
 from tools.net import fetch
+from tools.settings import ToolsSettings
 from tools.spec import ToolError, ToolSpec
 
 _VISIBLE_TEXT = "() => document.body ? document.body.innerText : ''"

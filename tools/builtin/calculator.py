@@ -13,8 +13,8 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-from gateway.config import ToolsSettings
 from tools.context import ToolContext
+from tools.settings import ToolsSettings
 from tools.spec import ToolError, ToolSpec
 
 MAX_EXPRESSION_CHARS = 1_000

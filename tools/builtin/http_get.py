@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.config import ToolsSettings
 from tools.builtin.common import URL_PARAMETERS, put_text
 from tools.context import ToolContext
 from tools.net import fetch
+from tools.settings import ToolsSettings
 from tools.spec import ToolSpec
 
 _TEXTUAL = ("text/", "application/xml", "application/xhtml", "application/javascript", "application/x-www-form")

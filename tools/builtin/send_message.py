@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.config import ToolsSettings
 from tools.context import ToolContext
+from tools.settings import ToolsSettings
 from tools.spec import ToolError, ToolSpec
 
 MAX_TEXT = 4_000

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gateway.config import ToolsSettings
 from tools.context import ToolContext
+from tools.settings import ToolsSettings
 from tools.spec import ToolError, ToolSpec
 
 # Pragmas that only describe the schema; every other pragma (including all that set a value) is denied.

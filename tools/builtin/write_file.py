@@ -16,8 +16,8 @@ import stat
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from gateway.config import ToolsSettings
 from tools.context import ToolContext
+from tools.settings import ToolsSettings
 from tools.spec import ToolError, ToolSpec
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

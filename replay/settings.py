@@ -1,0 +1,61 @@
+"""The ``[store]`` and ``[rewards]`` settings sections, which the store and the reward engine own.
+
+``gateway/config.py`` composes them into the one settings object; only it reads the environment.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StoreSettings(_Section):
+    path: str = Field("harness.db", description="SQLite file for trajectories.")
+    synchronous: Literal["NORMAL", "FULL"] = Field(
+        "NORMAL", description="NORMAL survives a process crash; FULL also a power loss."
+    )
+    retention_days: float | None = Field(None, gt=0, description="Delete trajectories older than this.")
+    max_batch: int = Field(256, gt=0, description="Most records committed in one transaction.")
+    max_queue: int = Field(100_000, gt=0, description="Pending records before requests wait (backpressure).")
+    commit_delay_ms: float = Field(0.0, ge=0, description="Injected delay before each commit (tests only).")
+    redact_defaults: bool = Field(True, description="Exports remove API keys, bearer tokens and e-mail addresses.")
+    redact_patterns: list[str] = Field(default_factory=list,
+                                       description="More regular expressions whose matches exports redact.")
+
+
+class RewardSettings(BaseModel):
+    """Weights of the reward engine's signals (``replay/rewards.py``). Every signal is a number in [0, 1];
+    a negative weight makes a signal a penalty. Any other key is the weight of a signal registered by name."""
+
+    model_config = ConfigDict(extra="allow")
+
+    task_success: float = Field(1.0, allow_inf_nan=False, description="Verifier verdict, else user feedback.")
+    process_validity: float = Field(0.3, allow_inf_nan=False,
+                                    description="Valid tool calls times successful results used later.")
+    illegal_action_penalty: float = Field(-1.0, allow_inf_nan=False,
+                                          description="Steps with invalid or refused calls; 1 on loop or "
+                                          "budget terminations.")
+    efficiency: float = Field(0.1, allow_inf_nan=False, description="Fewer steps, scaled by the step limit.")
+
+    @model_validator(mode="after")
+    def _check_extra_weights(self) -> RewardSettings:
+        extra = self.__pydantic_extra__ or {}
+        for name, value in list(extra.items()):
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.\-]*", name):
+                raise ValueError(f"{name!r} is not a signal name")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"the weight of signal {name!r} must be a finite number, got {value!r}")
+            extra[name] = float(value)
+        return self
+
+    def weights(self) -> dict[str, float]:
+        """Every configured weight: the four built-in signals, then registered ones by name."""
+        return {**{name: getattr(self, name) for name in type(self).model_fields},
+                **(self.__pydantic_extra__ or {})}

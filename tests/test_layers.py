@@ -1,0 +1,63 @@
+"""Dependencies run one way: ``tools`` and ``replay`` at the bottom, ``gateway`` above them, ``training`` above that,
+and the command line on top.
+
+Every import is counted, at module level or inside a function, type-checking ones included. The command line's
+modules (``cli.py``, ``*_cli.py``, ``cli_support.py``) are the top layer wherever they sit: they may import
+anything, and no other module may import them.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = {"tools": 0, "replay": 0, "gateway": 1, "training": 2}
+
+
+def is_cli(module: str) -> bool:
+    leaf = module.rsplit(".", 1)[-1]
+    return leaf in ("cli", "cli_support") or leaf.endswith("_cli")
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in LAYERS:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def first_party_imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {name for name in names if name.split(".")[0] in LAYERS}
+
+
+def test_dependencies_run_one_way() -> None:
+    known = modules()
+    wrong: set[str] = set()
+    for module, path in sorted(known.items()):
+        layer = LAYERS[module.split(".")[0]]
+        for name in sorted(first_party_imports(path)):
+            target = name if name in known else name.rsplit(".", 1)[0]
+            if target not in known:
+                continue
+            if is_cli(target) and not is_cli(module):
+                wrong.add(f"{module} imports the command line's {target}")
+            elif not is_cli(module) and LAYERS[target.split(".")[0]] > layer:
+                wrong.add(f"{module} imports {target}, a layer above it")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_the_walk_sees_the_packages() -> None:
+    # A check that finds no module or no import would pass on anything.
+    known = modules()
+    assert {"gateway.app", "replay.store", "tools.ssrf", "training.sft", "gateway.cli"} <= set(known)
+    assert "replay.store" in first_party_imports(known["gateway.app"])

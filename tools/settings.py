@@ -1,0 +1,74 @@
+"""The ``[tools]`` settings section, and the validators of network allow-lists (the bot's callbacks use them too).
+
+``gateway/config.py`` composes this section into the one settings object; only it reads the environment.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used; the message says which key and why."""
+
+
+class Section(BaseModel):
+    """A settings section: unknown keys are errors, so a misspelt key never passes silently."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def _check_networks(value: list[str]) -> list[str]:
+    for entry in value:
+        try:
+            ipaddress.ip_network(entry, strict=False)
+        except ValueError as exc:
+            raise ValueError(str(exc)) from None
+    return value
+
+
+Networks = Annotated[list[str], AfterValidator(_check_networks)]
+
+
+def _check_allow_hosts(value: list[str]) -> list[str]:
+    from tools.ssrf import parse_allow_host  # here, not above: the tools package imports this module first
+
+    for entry in value:
+        parse_allow_host(entry)
+    return value
+
+
+AllowHosts = Annotated[list[str], AfterValidator(_check_allow_hosts)]
+
+
+class ToolsSettings(Section):
+    workspace: str = Field("workspace", description="Folder write_file writes into (created when missing).")
+    write_requires_approval: bool = Field(True, description="write_file waits for approval before running.")
+    require_approval: list[str] = Field(default_factory=list, description="More tools (by name) whose calls wait "
+                                        "for a person's approval.")
+    approval_expiry_seconds: float = Field(86_400.0, gt=0, description="A call nobody approved or denied within "
+                                           "this long is given up, and the run goes on without it.")
+    approval_poll_seconds: float = Field(5.0, gt=0, description="How often the gateway looks for decisions made "
+                                         "from the command line and for expired approvals.")
+    write_max_bytes: int = Field(1_000_000, gt=0, description="Largest file write_file writes.")
+    sql_database: str | None = Field(None, description="SQLite file sql_query reads; none disables it.")
+    sql_timeout: float = Field(5.0, gt=0, description="Seconds one query may run.")
+    sql_max_rows: int = Field(200, gt=0, description="Most rows one query returns.")
+    sql_max_bytes: int = Field(262_144, ge=1000, le=100_000_000, description="Largest value a query may make, "
+                               "and most bytes of rows fetched (past it the rows are truncated).")
+    allow_hosts: AllowHosts = Field(
+        default_factory=list, description="Hosts network tools may reach even at private addresses: 'host' (ports "
+        "80 and 443) or 'host:port'.")
+    allow_networks: Networks = Field(
+        default_factory=list, description="CIDR ranges network tools may reach even when private.")
+    http_timeout: float = Field(20.0, gt=0, description="Seconds one http_get call may take.")
+    http_max_redirects: int = Field(5, ge=0, description="Most redirects http_get follows.")
+    http_max_bytes: int = Field(2_000_000, gt=0, description="Most bytes read from one response.")
+    user_agent: str = Field("agent-harness-tools/0.1", description="User-Agent of network tools.")
+    browser_executable: str = Field("/usr/bin/chromium", description="Chromium binary browse drives.")
+    browser_timeout: float = Field(30.0, gt=0, description="Seconds one browse call may take.")
+    browser_max_pages: int = Field(4, gt=0, description="Most pages open at once.")
+    output_cap: int = Field(20_000, gt=0, description="Most characters of a built-in tool's result.")
