@@ -46,7 +46,7 @@ def list_approvals(status: str = StatusOption, config: str | None = ConfigOption
     if status not in ("pending", "approved", "denied", "expired", "all"):
         fail("--status must be pending, approved, denied, expired or all", 2)
     if gateway:
-        rows = call_gateway(gateway, "GET", "/admin/approvals", params={"status": status})["data"]
+        rows = call_gateway(gateway, config, "GET", "/admin/approvals", params={"status": status})["data"]
     else:
         rows = with_store(settings_or_exit(config), lambda s: approvals.list_approvals(
             s, status=None if status == "all" else status))
@@ -67,7 +67,8 @@ def _decide(approval_id: str, approve: bool, reason: str | None, config: str | N
             as_json: bool) -> None:
     by = getpass.getuser()
     if gateway:
-        row = call_gateway(gateway, "POST", f"/admin/approvals/{approval_id}/{'approve' if approve else 'deny'}",
+        decision = "approve" if approve else "deny"
+        row = call_gateway(gateway, config, "POST", f"/admin/approvals/{approval_id}/{decision}",
                            json={"reason": reason, "by": by})
     else:
         row, changed = with_store(settings_or_exit(config), lambda s: approvals.decide(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any, NoReturn, TypeVar
@@ -42,11 +41,14 @@ def settings_or_exit(config: str | None) -> Settings:
         fail(str(exc), 2)
 
 
-def call_gateway(url: str, method: str, path: str, *, headers: dict[str, str] | None = None, **kwargs: Any) -> Any:
-    """A JSON admin route of a running gateway (admin key from ``HARNESS_ADMIN_KEY``); exits with its error."""
-    key = os.environ.get("HARNESS_ADMIN_KEY")
+def call_gateway(url: str, config: str | None, method: str, path: str, *, headers: dict[str, str] | None = None,
+                 **kwargs: Any) -> Any:
+    """A JSON admin route of a running gateway, with the admin key the config names (``[server] admin_key_env``,
+    default ``HARNESS_ADMIN_KEY``); exits with its error."""
+    server = settings_or_exit(config).server
+    key = server.admin_key
     if not key:
-        fail("set HARNESS_ADMIN_KEY to the gateway's admin key", 2)
+        fail(f"set {server.admin_key_env} to the gateway's admin key", 2)
     try:
         response = httpx.request(method, url.rstrip("/") + path,
                                  headers={"Authorization": f"Bearer {key}", **(headers or {})}, timeout=600.0, **kwargs)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from rich.console import Console
 from gateway.adapters import archive
 from gateway.adapters.registry import AdapterRegistry, AdapterVersion
 from gateway.backends.local_model import load_tokenizer
-from gateway.config import Settings
+from gateway.config import ServerSettings, Settings
 from replay.filters import Filters
 from replay.rewards import recompute, signal_weights, step_limits
 from replay.store import TrajectoryStore
@@ -159,7 +158,8 @@ async def replay_train(settings: Settings, filters: Filters, *, mode: str = "sft
         metrics["rl"] = rl_summary
     if publish and decision.passed:
         # The running gateway's registry is the one that matters: the version is registered there, with its numbers.
-        card = await asyncio.to_thread(_publish, publish, name, training.base_model, candidate, metrics)
+        card = await asyncio.to_thread(_publish, settings.server, publish, name, training.base_model, candidate,
+                                       metrics)
         outcome.registered = AdapterVersion(**{k: card[k] for k in AdapterVersion.__dataclass_fields__})
         outcome.published = True
         stage("publish", f"{card['backend_name']} uploaded, published and promoted on {publish}")
@@ -269,11 +269,12 @@ async def _rl(settings: Settings, selected: list[str], start: Path | None, evalu
     return candidate, best["metrics"], summary
 
 
-def _publish(url: str, name: str, base: str, folder: Path, metrics: dict[str, Any]) -> dict[str, Any]:
+def _publish(server: ServerSettings, url: str, name: str, base: str, folder: Path,
+             metrics: dict[str, Any]) -> dict[str, Any]:
     """Upload, publish and promote on a running gateway; its card of the promoted version."""
-    key = os.environ.get("HARNESS_ADMIN_KEY")
+    key = server.admin_key
     if not key:
-        raise ReplayTrainError("--publish needs the gateway's admin key in HARNESS_ADMIN_KEY")
+        raise ReplayTrainError(f"--publish needs the gateway's admin key in {server.admin_key_env}")
     headers = {"Authorization": f"Bearer {key}"}
     with httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=600.0) as client:
         response = client.post("/admin/adapters", content=archive.pack(folder),

@@ -80,7 +80,7 @@ def list_adapters(config: str | None = ConfigOption, gateway: str | None = Gatew
                   as_json: bool = JsonOption) -> None:
     """Every version of every adapter, with its status."""
     if gateway:
-        rows = call_gateway(gateway, "GET", "/admin/adapters")["data"]
+        rows = call_gateway(gateway, config, "GET", "/admin/adapters")["data"]
     else:
         rows = [v.as_dict() for v in _local(config, lambda s: s.list())]
     if as_json:
@@ -110,12 +110,13 @@ def register(path: Path = PathArgument,
         except RegistryError as exc:
             fail(exc.message, 2)
         if gateway:
-            card = call_gateway(gateway, "POST", "/admin/adapters", params={"name": name, "base": base}, content=data,
-                           headers={"Content-Type": "application/gzip"})
+            card = call_gateway(gateway, config, "POST", "/admin/adapters", params={"name": name, "base": base},
+                                content=data, headers={"Content-Type": "application/gzip"})
         else:
             card = _card(_local(config, lambda s: s.register(name, base, upload=data)))
     elif gateway:
-        card = call_gateway(gateway, "POST", "/admin/adapters", json={"name": name, "base": base, "path": str(folder)})
+        card = call_gateway(gateway, config, "POST", "/admin/adapters",
+                            json={"name": name, "base": base, "path": str(folder)})
     else:
         card = _card(_local(config, lambda s: s.register(name, base, path=str(folder))))
     _show(card, as_json, "registered")
@@ -127,7 +128,7 @@ def publish(ref: str = typer.Argument(..., help="NAME or NAME@VERSION (default: 
     """Load a version into every backend serving its base, and keep it loaded."""
     name, version = _version_of(ref)
     if gateway:
-        card = call_gateway(gateway, "POST", f"/admin/adapters/{name}/publish", json={"version": version})
+        card = call_gateway(gateway, config, "POST", f"/admin/adapters/{name}/publish", json={"version": version})
     else:
         found, _ = _local(config, lambda s: s.publish(name, version))
         card = _card(found)
@@ -140,7 +141,7 @@ def promote(ref: str = typer.Argument(..., help="NAME@VERSION"), config: str | N
     """Make a version the one BASE:NAME resolves to."""
     name, version = _exact(ref)
     if gateway:
-        card = call_gateway(gateway, "POST", f"/admin/adapters/{name}/promote", json={"version": version})
+        card = call_gateway(gateway, config, "POST", f"/admin/adapters/{name}/promote", json={"version": version})
     else:
         found, replaced = _local(config, lambda s: s.promote(name, version))
         card = _card(found, replaced=replaced.version if replaced else None)
@@ -152,7 +153,7 @@ def rollback(name: str = typer.Argument(..., help="NAME"), config: str | None = 
              gateway: str | None = GatewayOption, as_json: bool = JsonOption) -> None:
     """Re-activate the version that was active before the current one."""
     if gateway:
-        card = call_gateway(gateway, "POST", f"/admin/adapters/{name}/rollback")
+        card = call_gateway(gateway, config, "POST", f"/admin/adapters/{name}/rollback")
     else:
         restored, demoted = _local(config, lambda s: s.rollback(name))
         card = _card(restored, replaced=demoted.version)
@@ -165,7 +166,7 @@ def retire(ref: str = typer.Argument(..., help="NAME@VERSION"), config: str | No
     """Stop serving a version for good; it is unloaded once its requests finish."""
     name, version = _exact(ref)
     if gateway:
-        card = call_gateway(gateway, "POST", f"/admin/adapters/{name}/retire", json={"version": version})
+        card = call_gateway(gateway, config, "POST", f"/admin/adapters/{name}/retire", json={"version": version})
     else:
         card = _card(_local(config, lambda s: s.retire(name, version)))
     _show(card, as_json, "retired")

@@ -80,16 +80,14 @@ def test_replay_train_selects_trains_validates_gates_and_registers(settings: Set
 
 
 def test_publish_registers_publishes_and_promotes_on_a_running_gateway(settings: Settings, tmp_path: Path,
-                                                                      tiny_model_dir: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                      tiny_model_dir: Path) -> None:
     gateway_settings = Settings.model_validate({
         "store": {"path": str(tmp_path / "gateway.db")},
         "backends": [{"name": "local", "kind": "local", "model_path": str(tiny_model_dir),
                       "models": [settings.training.base_model]}],
         "routing": {"adapters_dir": str(tmp_path / "adapters")},
     })
-    gateway_settings.server.admin_key = "admin-secret"
-    monkeypatch.setenv("HARNESS_ADMIN_KEY", "admin-secret")
+    gateway_settings.server.admin_key = settings.server.admin_key = "admin-secret"
     settings.training.gate.general_perplexity = 100.0  # a random model moves a lot; this test is about publishing
     asyncio.run(capture(settings, "tools", "train", attempts=0))
     with ServerThread(build_app(gateway_settings), lifespan="on") as server:
