@@ -180,6 +180,8 @@ class TrainingSettings(Section):
     model_path: str | None = Field(None, description="Weights to train on: a GGUF or checkpoint folder; default "
                                    "the embedded model.")
     output_dir: str = Field("runs", description="Where training runs write checkpoints, metrics and plots.")
+    tasks_dir: str = Field("~/.cache/agent-harness/tasks", description="Where task suites keep the fixture "
+                           "databases their tools read (made on first use).")
     rank: int = Field(16, gt=0, description="LoRA rank.")
     alpha: float = Field(32.0, gt=0, description="LoRA alpha (scale = alpha / rank).")
     dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")

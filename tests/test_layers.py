@@ -61,3 +61,15 @@ def test_the_walk_sees_the_packages() -> None:
     known = modules()
     assert {"gateway.app", "replay.store", "tools.ssrf", "training.sft", "gateway.cli"} <= set(known)
     assert "replay.store" in first_party_imports(known["gateway.app"])
+
+
+def test_only_the_config_reads_the_environment() -> None:
+    readers = set()
+    for module, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb"):
+                readers.add(module)
+            elif isinstance(node, ast.ImportFrom) and node.module == "os" and \
+                    {alias.name for alias in node.names} & {"environ", "getenv", "environb"}:
+                readers.add(module)
+    assert readers == {"gateway.config"}, f"the environment is read outside the config: {sorted(readers)}"

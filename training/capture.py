@@ -65,7 +65,7 @@ async def capture(settings: Settings, suite_name: str, split: str, *, demos: boo
                   sample: int | None = None, temperature: float = 0.7) -> CaptureResult:
     """Demonstrations of every task of ``split``; ``attempts`` model attempts at each task (or at ``sample`` tasks
     spread evenly over the split, so every family is attempted)."""
-    suite = get_suite(suite_name)
+    suite = get_suite(suite_name, data_dir=settings.training.tasks_dir)
     tasks = suite.tasks(split)
     result = CaptureResult()
     store = TrajectoryStore(settings.store.path, synchronous=settings.store.synchronous)

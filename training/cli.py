@@ -111,7 +111,7 @@ def tasks_list(suite: str | None = SuiteOption, split: str = typer.Option("train
     from training.tasks import get_suite
 
     settings = settings_or_exit(config)
-    for task in get_suite(_suite(settings, suite)).tasks(_split(split)):
+    for task in get_suite(_suite(settings, suite), data_dir=settings.training.tasks_dir).tasks(_split(split)):
         typer.echo(f"{task.id}\t{task.family}\t{task.prompt}")
 
 

@@ -149,7 +149,7 @@ class Evaluator:
                        label: str | None = None, limit: int = 0) -> Report:
         """The report of one model (the base, or ``adapter``) on one split (``limit`` > 0: that many of its tasks,
         spread evenly over it, so every family is in)."""
-        suite = get_suite(suite_name)
+        suite = get_suite(suite_name, data_dir=self.settings.tasks_dir)
         started = time.perf_counter()
         episodes = await self.episodes(suite, spread(suite.tasks(split), limit), adapter,
                                        progress=f"{label or adapter or 'base'} on {split}")

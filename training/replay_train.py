@@ -83,7 +83,7 @@ async def replay_train(settings: Settings, filters: Filters, *, mode: str = "sft
         raise ReplayTrainError(f"unknown mode {mode!r}: one of {', '.join(MODES)}")
     console = console or Console()
     training = settings.training
-    suite = get_suite(training.suite)
+    suite = get_suite(training.suite, data_dir=training.tasks_dir)
     name = name or suite.name
     run_dir = Path(training.output_dir) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -212,7 +212,7 @@ async def _rl(settings: Settings, selected: list[str], start: Path | None, evalu
               stage: Stage) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     """Captured groups first, then online rollouts: the best checkpoint on validation, its metrics, a summary."""
     training, rl = settings.training, settings.training.rl
-    suite = get_suite(training.suite)
+    suite = get_suite(training.suite, data_dir=training.tasks_dir)
     test_tasks = {t.id for t in suite.tasks("test")}
     loop = asyncio.get_running_loop()
     store = TrajectoryStore(settings.store.path, synchronous=settings.store.synchronous)

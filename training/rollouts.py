@@ -154,7 +154,7 @@ class Rollouts:
         self.evaluator = evaluator
         self.store = store
         self.run = run
-        self.suite = get_suite(settings.training.suite)
+        self.suite = get_suite(settings.training.suite, data_dir=settings.training.tasks_dir)
         self.tasks = self.suite.tasks("train")
         self.picker = TaskPicker(self.tasks, settings.training.seed)
         self.rng = random.Random(settings.training.seed + 1)

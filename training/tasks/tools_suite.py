@@ -17,8 +17,8 @@ Test prompts use their own phrasings and their own employees and products (prese
 never asked about in train or validation), so a model cannot pass by recalling training answers.
 
 Everything is generated from a fixed seed on first use; the database is written once (atomically) to
-``<data_dir>/tools-v<N>.db``, ``data_dir`` defaulting to ``$HARNESS_TASKS_DIR`` or
-``~/.cache/agent-harness/tasks``.
+``<data_dir>/tools-v<N>.db``, ``data_dir`` being ``[training] tasks_dir`` (default
+``~/.cache/agent-harness/tasks``).
 """
 
 from __future__ import annotations
@@ -141,8 +141,7 @@ def database_ok(path: Path) -> bool:
     return version == DB_VERSION and counts == (len(EMPLOYEES), len(PRODUCTS))
 
 
-def default_data_dir() -> Path:
-    return Path(os.environ.get("HARNESS_TASKS_DIR") or Path.home() / ".cache" / "agent-harness" / "tasks")
+DEFAULT_DATA_DIR = "~/.cache/agent-harness/tasks"  # [training] tasks_dir's default
 
 
 # -- phrasings ----------------------------------------------------------------------------------------
@@ -567,7 +566,7 @@ class ToolsSuite(Suite):
     system_prompt = SYSTEM_PROMPT
 
     def __init__(self, data_dir: str | os.PathLike[str] | None = None, *, seed: int = SEED) -> None:
-        self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
+        self.data_dir = Path(data_dir if data_dir is not None else DEFAULT_DATA_DIR).expanduser()
         self.db_path = self.data_dir / f"tools-v{DB_VERSION}.db"
         self.seed = seed
         self._generated: _Generator | None = None
