@@ -250,7 +250,7 @@ def gateway_env() -> dict[str, str]:
 
 
 def create_no_capture_key(config: Path) -> str:
-    out = subprocess.run([sys.executable, "-m", "gateway.cli", "keys", "create", "--tenant", "bench",
+    out = subprocess.run([sys.executable, "-m", "harness.main", "keys", "create", "--tenant", "bench",
                           "--no-capture", "--config", str(config)], cwd=REPO, env=gateway_env(),
                          capture_output=True, text=True, timeout=120, check=False)
     m = re.search(r"^key:\s*(\S+)", out.stdout, re.MULTILINE)
@@ -578,7 +578,7 @@ def serving(services: Services, svc: Service) -> Iterator[Service]:
 
 
 def start_gateway(services: Services, tmp: Path, name: str, config: Path, port: int) -> Service:
-    svc = services.start(name, [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)],
+    svc = services.start(name, [sys.executable, "-m", "harness.main", "serve", "--config", str(config)],
                          tmp / name / "gateway.log", env=gateway_env(), cwd=REPO)
     wait_ready(svc, f"http://127.0.0.1:{port}/healthz", 90)
     return svc

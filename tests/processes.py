@@ -26,7 +26,7 @@ class GatewayProcess:
         self.config = workdir / "harness.toml"
         self.port = free_port()
         self.config.write_text(config_text)
-        self.command = [harness] if harness else [sys.executable, "-m", "gateway.cli"]
+        self.command = [harness] if harness else [sys.executable, "-m", "harness.main"]
         source = {} if harness else {"PYTHONPATH": str(ROOT)}
         self.env = {**os.environ, **source, **(env or {}), "HARNESS_SERVER__PORT": str(self.port)}
         self.env.pop("HARNESS_CONFIG", None)

@@ -64,7 +64,7 @@ default_model = "qwen-test"
         "GATEWAY_CONFIG": str(config),
         "GATEWAY_PORT": str(gateway_port),
         "GATEWAY_WAIT": "120",
-        "HARNESS_BIN": f"{sys.executable} -m gateway.cli",
+        "HARNESS_BIN": f"{sys.executable} -m harness.main",
         "ADAPTER_PATH": str(_fake_adapter(tmp_path / "adapter")),
         "ADAPTER_NAME": "sql",
         "LOG_DIR": str(tmp_path / "logs"),

@@ -20,7 +20,7 @@ ADMIN = "admin-secret-for-tests"
 
 
 def _harness(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gateway.cli", *args, "--config", str(config)],
+    return subprocess.run([sys.executable, "-m", "harness.main", *args, "--config", str(config)],
                           cwd=config.parent, capture_output=True, text=True, timeout=60,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
 

@@ -7,7 +7,7 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
-from gateway.cli import app
+from harness.main import app
 from tests.processes import GatewayProcess
 
 pytestmark = pytest.mark.integration

@@ -13,7 +13,7 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
-from gateway.cli import app
+from harness.main import app
 from replay.importer import build_op, read_file
 from replay.schema import SCHEMA_VERSION
 from tests.replay import builders as b

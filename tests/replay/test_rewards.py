@@ -17,8 +17,9 @@ from gateway.agent import limits
 from gateway.agent.limits import Limits
 from gateway.agent.loop import Profile
 from gateway.config import ConfigError, RewardSettings, load_settings
+from harness.replay import with_filters
+from harness.rewards import rewards as rewards_command
 from replay import hashing
-from replay.cli import with_filters
 from replay.filters import Filters
 from replay.rewards import (
     ENGINE,
@@ -30,7 +31,6 @@ from replay.rewards import (
     score,
     signal_weights,
 )
-from replay.rewards_cli import rewards as rewards_command
 from replay.signals import (
     PENALISED_TERMINATIONS,
     SIGNALS,

@@ -27,7 +27,7 @@ def harness_without(modules: tuple[str, ...], *args: str, cwd: Path) -> subproce
     program = ("import sys\n"
                f"for name in {modules!r}:\n    sys.modules[name] = None\n"
                f"sys.argv = ['harness', *{args!r}]\n"
-               "from gateway.cli import main\nmain()\n")
+               "from harness.main import main\nmain()\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("HARNESS_CONFIG", None)
     return subprocess.run([sys.executable, "-c", program], cwd=cwd, env=env, capture_output=True, text=True,

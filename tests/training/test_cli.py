@@ -9,7 +9,7 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
-from gateway.cli import app
+from harness.main import app
 
 pytestmark = pytest.mark.integration
 

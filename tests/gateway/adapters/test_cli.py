@@ -11,7 +11,7 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
-from gateway.cli import app
+from harness.main import app
 from tests.gateway.adapters.test_lifecycle import BASE, adapter_folder, serve
 
 pytestmark = pytest.mark.integration

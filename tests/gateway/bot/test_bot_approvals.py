@@ -40,7 +40,7 @@ def _pending(gw, count: int = 1) -> list[dict]:
 
 def _harness(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "gateway.cli", "approvals", *args, "--config",
+    return subprocess.run([sys.executable, "-m", "harness.main", "approvals", *args, "--config",
                            str(tmp_path / "h.toml")], capture_output=True, text=True, env=env, timeout=120)
 
 

@@ -15,10 +15,10 @@ import typer
 from rich.console import Console
 
 from gateway.adapters.registry import AdapterRegistry, RegistryError, parse_ref
-from gateway.cli_support import ConfigOption, fail, settings_or_exit
 from gateway.config import Settings
 from gateway.logging import configure_logging
-from replay.cli import with_filters
+from harness.replay import with_filters
+from harness.support import ConfigOption, fail, settings_or_exit
 from replay.filters import Filters
 from tools.extras import require_extra
 

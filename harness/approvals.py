@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gateway.agent import approvals
-from gateway.cli_support import (
+from harness.support import (
     ConfigOption,
     GatewayOption,
     JsonOption,

@@ -1,13 +1,13 @@
 """``harness replay rewards``: recompute and store the rewards of the selected trajectories.
 
-``rewards`` takes the selection as one ``filters: Filters`` argument; ``replay/cli.py`` adds the filter
+``rewards`` takes the selection as one ``filters: Filters`` argument; ``harness/replay.py`` adds the filter
 flags and registers it::
 
-    from replay.rewards_cli import rewards
+    from harness.rewards import rewards
     app.command("rewards")(with_filters(rewards))
 
-It imports nothing from ``replay.cli``, so neither module's import waits on the other. Exit codes follow
-``replay.cli``: 2 for bad usage or configuration, 1 for a run that could not do its work (no store, not a
+It imports nothing from ``harness.replay``, so neither module's import waits on the other. Exit codes follow
+``harness.replay``: 2 for bad usage or configuration, 1 for a run that could not do its work (no store, not a
 store, a newer schema, a corrupt file, a failing signal).
 """
 
@@ -23,8 +23,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from gateway.cli_support import ConfigOption, err_console, fail, settings_or_exit
 from gateway.logging import configure_logging
+from harness.support import ConfigOption, err_console, fail, settings_or_exit
 from replay.filters import Filters
 from replay.readonly import StoreError, check_file
 from replay.rewards import RewardError, RewardSummary, recompute, signal_weights, step_limits

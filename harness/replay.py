@@ -22,14 +22,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from gateway.cli_support import ConfigOption, err_console, fail, settings_or_exit, with_store
+from harness.rewards import rewards
+from harness.support import ConfigOption, err_console, fail, settings_or_exit, with_store
 from replay import export as exporting
 from replay import stats as stats_module
 from replay.filters import Filters, parse_time
 from replay.importer import ImportFileError, import_conversations, read_file
 from replay.readonly import StoreError, open_readonly, schema_version
 from replay.redact import Redactor
-from replay.rewards_cli import rewards
 from replay.schema import SCHEMA_VERSION
 
 app = typer.Typer(help="Select, inspect, import and export trajectories.", no_args_is_help=True)

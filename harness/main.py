@@ -12,14 +12,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from gateway.adapters.cli import app as adapters_app
-from gateway.approvals_cli import app as approvals_app
 from gateway.auth import hash_secret, is_loopback, new_secret
-from gateway.cli_support import ConfigOption, format_time, settings_or_exit, with_store
 from gateway.config import ConfigError
-from replay.cli import app as replay_app
+from harness.adapters import app as adapters_app
+from harness.approvals import app as approvals_app
+from harness.replay import app as replay_app
+from harness.support import ConfigOption, format_time, settings_or_exit, with_store
+from harness.training import register as register_training_commands
 from tools.extras import MissingExtra
-from training.cli import register as register_training_commands
 
 T = TypeVar("T")
 

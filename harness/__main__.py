@@ -1,0 +1,3 @@
+from harness.main import main
+
+main()
