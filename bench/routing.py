@@ -200,7 +200,7 @@ def bench_routing_latency(iterations: int) -> list[tuple[str, float]]:
         caller = Principal(key_id="k", tenant="t").caller()
 
         def route(model: str, session: str = "s") -> object:
-            return gateway.route(gateway.router.name_for(model, caller), session)
+            return gateway.router.route(gateway.router.name_for(model, caller), session)
 
         cases: dict[str, Callable[[], object]] = {
             "dict look-up (before routing)": lambda: gateway.model_map.get("qwen"),

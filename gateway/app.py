@@ -15,21 +15,21 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.adapters.manager import AdapterBackend, AdapterManager
+from gateway.adapters.manager import AdapterManager
 from gateway.adapters.registry import AdapterRegistry
 from gateway.adapters.service import AdapterService
 from gateway.agent.service import AgentService
 from gateway.api import adapters, agent, approvals, chat, health, models, responses, trajectories
 from gateway.auth import Authenticator, is_loopback
 from gateway.backends import build_backend
-from gateway.backends.base import Backend, serves_adapters
+from gateway.backends.base import Backend
 from gateway.bot.service import BotService
 from gateway.bot.webhook import WebhookPlatform
 from gateway.bot.wecom import WeComPlatform
 from gateway.config import Settings
 from gateway.errors import APIError, error_response
 from gateway.metrics import Metrics
-from gateway.routing import Caller, Router, Target
+from gateway.routing import Caller, Router
 from replay.store import TrajectoryStore
 from tools.context import ToolContext
 from tools.registry import default_registry
@@ -60,7 +60,8 @@ class Gateway:
         self.cancel_on_stop: set[asyncio.Task[Any]] = set()
         registry = AdapterRegistry(s.path)
         self.router: Router[Backend] = Router(settings.routing, self.model_map,
-                                              snapshot=lambda: self.adapter_manager.snapshot)
+                                              snapshot=lambda: self.adapter_manager.snapshot,
+                                              lease=lambda target: self.adapter_manager.lease(target))
         self.adapter_manager = AdapterManager(self.backends, registry, self.spawn,
                                               also_wanted=self.router.canary_versions)
         self.adapters = AdapterService(registry, settings.routing.adapters_dir, settings.routing.max_upload_bytes,
@@ -89,21 +90,9 @@ class Gateway:
             task.add_done_callback(self.cancel_on_stop.discard)
         return task
 
-    def route(self, name: str, sticky: str | None = None) -> Target[Backend]:
-        """Steps 4-5 of routing (the canary split, then the backend); an adapter target's backend is wrapped so
-        its requests hold the version loaded while they run."""
-        target = self.router.resolve(name, sticky)
-        if target.adapter is None:
-            return target
-        if not serves_adapters(target.backend):
-            raise APIError(400, f"The backend serving '{target.base}' does not load adapters.", param="model",
-                           code="adapter_not_supported")
-        wrapped = AdapterBackend(target.backend, target.base, target.adapter, self.adapter_manager)
-        return Target(target.model, target.base, wrapped, target.adapter, target.canary)  # type: ignore[arg-type]
-
     def backend_for(self, model: str) -> Backend:
         """For agent profiles: the whole pipeline on a configured name; one draw per run, so a run is sticky."""
-        return self.route(self.router.name_for(model, Caller())).backend
+        return self.router.route(self.router.name_for(model, Caller())).backend
 
     async def start(self) -> None:
         try:

@@ -74,10 +74,14 @@ def bucket(key: str) -> float:
 
 class Router(Generic[B]):
     def __init__(self, settings: RoutingSettings, bases: dict[str, B],
-                 snapshot: Callable[[], Snapshot] = Snapshot) -> None:
+                 snapshot: Callable[[], Snapshot] = Snapshot,
+                 lease: Callable[[Target[B]], B] | None = None) -> None:
+        """``lease`` gives the backend an adapter target's requests go through (one that holds the version while
+        a request runs); without it the base's backend is used as it is."""
         self.settings = settings
         self.bases = bases
         self._snapshot = snapshot  # the registry changes under a running router
+        self._lease = lease
         # Keyed by what the model stands for, so a canary on an alias splits whatever reaches its target.
         self._canaries = {self._alias(c.model): c for c in settings.canaries}
 
@@ -105,6 +109,13 @@ class Router(Generic[B]):
             if draw < canary.share:
                 return self._resolve(self._alias(canary.target), canary=True)
         return self._resolve(name)
+
+    def route(self, name: str, sticky: str | None = None) -> Target[B]:
+        """Steps 4-5, with an adapter target's backend leased: where a request with this model name goes."""
+        target = self.resolve(name, sticky)
+        if target.adapter is None or self._lease is None:
+            return target
+        return Target(target.model, target.base, self._lease(target), target.adapter, target.canary)
 
     def canary_versions(self) -> list[AdapterVersion]:
         """The adapter versions canaries send traffic to (kept loaded, so a canary's first request is fast)."""

@@ -18,7 +18,8 @@ import structlog
 
 from gateway.adapters.registry import AdapterRegistry, AdapterVersion
 from gateway.backends.base import AdapterNotLoaded, Backend, BackendError, ChatRequest, ChatResult, serves_adapters
-from gateway.routing import Snapshot
+from gateway.errors import APIError
+from gateway.routing import Snapshot, Target
 
 log = structlog.get_logger()
 
@@ -55,6 +56,14 @@ class AdapterManager:
         self._slots: dict[tuple[str, str], _Slot] = {}
         self._stamp: tuple[int, float] | None = None
         self.health: dict[str, dict[str, Any]] = {}  # each remote backend's last probe, for /healthz
+
+    def lease(self, target: Target[Backend]) -> Backend:
+        """The backend an adapter target's requests go through: it holds the version loaded while they run."""
+        assert target.adapter is not None
+        if not serves_adapters(target.backend):
+            raise APIError(400, f"The backend serving '{target.base}' does not load adapters.", param="model",
+                           code="adapter_not_supported")
+        return AdapterBackend(target.backend, target.base, target.adapter, self)  # type: ignore[return-value]
 
     def hosts_for(self, base: str) -> list[Backend]:
         return [b for b in self.hosts if base in b.models]

@@ -125,7 +125,7 @@ async def open_exchange(request: Request, principal: Principal, body: dict[str, 
     session = session_key(request, session_body if session_body is not None else body)
     anchor = prefix[hashing.anchor_index(messages)]
     # A canary draw keyed by the session, else by the conversation's opening, keeps a trajectory on one version.
-    target = gateway.route(parsed.model, sticky=session or anchor)
+    target = gateway.router.route(parsed.model, sticky=session or anchor)
     log_fields = request.scope["state"]["log"]
     log_fields.update(model=parsed.model, adapter=target.adapter.backend_name if target.adapter else None,
                       backend=target.backend.name, stream=parsed.stream)
