@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from gateway.config import RLSettings
 from training.metrics import rank
 from training.sft import SFTConfig, append_jsonl, seed_everything, smooth, wrap_lora
 
@@ -275,34 +276,19 @@ def update(model: PeftModel, samples: Sequence[Sample], optimizer: torch.optim.O
 
 @dataclass
 class RLConfig:
-    """What one RL run does; ``from_settings`` reads ``[training]`` (the LoRA shape) and ``[training.rl]``."""
+    """What one RL run does: the ``[training.rl]`` section itself (``rl``, its fields documented there once), with
+    what RL shares with SFT from ``[training]``: the adapter's shape when it starts fresh, the longest row, the seed."""
 
-    lora: SFTConfig = field(default_factory=SFTConfig)  # the adapter's shape when it starts fresh
-    algorithm: Literal["grpo", "rloo"] = "grpo"
-    learning_rate: float = 5e-5
-    batch_size: int = 4
-    updates_per_batch: int = 1
-    clip: float = 0.2
-    kl_coef: float = 0.04
-    process_coef: float = 0.5
-    eval_every: int = 5
-    rollback_margin: float = 0.05
-    max_rollbacks: int = 3
-    alarm_reward_rise: float = 0.05
-    alarm_drop: float = 0.05
+    rl: RLSettings = field(default_factory=RLSettings)
+    lora: SFTConfig = field(default_factory=SFTConfig)
     max_seq_len: int = 1024
     seed: int = 0
     max_grad_norm: float = 1.0
 
     @classmethod
     def from_settings(cls, training: TrainingSettings, **overrides: Any) -> RLConfig:
-        rl = training.rl
-        fields = dict(lora=SFTConfig.from_settings(training), algorithm=rl.algorithm,
-                      learning_rate=rl.learning_rate, batch_size=rl.batch_size,
-                      updates_per_batch=rl.updates_per_batch, clip=rl.clip, kl_coef=rl.kl_coef,
-                      process_coef=rl.process_coef, eval_every=rl.eval_every, rollback_margin=rl.rollback_margin,
-                      max_rollbacks=rl.max_rollbacks, alarm_reward_rise=rl.alarm_reward_rise,
-                      alarm_drop=rl.alarm_drop, max_seq_len=training.max_seq_len, seed=training.seed)
+        fields = dict(rl=training.rl, lora=SFTConfig.from_settings(training), max_seq_len=training.max_seq_len,
+                      seed=training.seed)
         return cls(**{**fields, **overrides})
 
 
@@ -345,12 +331,12 @@ def train_rl(loaded: LoadedModel, config: RLConfig, out_dir: Path, *, steps: int
     params = [p for p in model.parameters() if p.requires_grad]
 
     def new_optimizer() -> torch.optim.Optimizer:
-        return torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
+        return torch.optim.AdamW(params, lr=config.rl.learning_rate, weight_decay=0.0)
 
     optimizer = new_optimizer()
     metrics_path = out_dir / "metrics.jsonl"
     metrics_path.unlink(missing_ok=True)
-    log.info("rl.start", steps=steps, algorithm=config.algorithm, device=device.type, out_dir=str(out_dir),
+    log.info("rl.start", steps=steps, algorithm=config.rl.algorithm, device=device.type, out_dir=str(out_dir),
              init_adapter=str(init_adapter) if init_adapter else None)
 
     watch = _Watch(config)
@@ -365,7 +351,7 @@ def train_rl(loaded: LoadedModel, config: RLConfig, out_dir: Path, *, steps: int
         groups = batches(step, policy)
         samples, skipped = _fitting([s for g in groups for s in g.samples()], config.max_seq_len)
         result.skipped_samples += skipped
-        assign_advantages(groups, config.algorithm, config.process_coef)
+        assign_advantages(groups, config.rl.algorithm, config.rl.process_coef)
         rewards = [t.reward for g in groups for t in g.trajectories]
         line: dict[str, Any] = {"step": step, "groups": len(groups), "flat_groups": sum(g.flat for g in groups),
                                 "trajectories": len(rewards), "samples": len(samples),
@@ -373,14 +359,14 @@ def train_rl(loaded: LoadedModel, config: RLConfig, out_dir: Path, *, steps: int
         result.groups += len(groups)
         result.flat_groups += line["flat_groups"]
         if samples:
-            for _ in range(config.updates_per_batch):
-                stats = update(model, samples, optimizer, pad_id=pad_id, batch_size=config.batch_size,
-                               clip=config.clip, kl_coef=config.kl_coef, max_grad_norm=config.max_grad_norm)
+            for _ in range(config.rl.updates_per_batch):
+                stats = update(model, samples, optimizer, pad_id=pad_id, batch_size=config.rl.batch_size,
+                               clip=config.rl.clip, kl_coef=config.rl.kl_coef, max_grad_norm=config.max_grad_norm)
                 result.tokens += int(stats["tokens"])
                 result.seconds += stats["seconds"]
             line.update(stats)
         watch.rewards.append(line["reward"])
-        if step % config.eval_every == 0 or step == steps:
+        if step % config.rl.eval_every == 0 or step == steps:
             checkpoint = _save(model, out_dir / f"checkpoint-{step}")
             result.checkpoints.append(checkpoint)
             action = watch.judge(step, checkpoint, validate(checkpoint), result)
@@ -427,17 +413,17 @@ class _Watch:
         action = "kept"
         if self.best is None or rank(metrics) > rank(self.best):
             action = "best"
-        if self.previous is not None and rise is not None and rise > c.alarm_reward_rise and \
-                _drop(self.previous, metrics) > c.alarm_drop:
+        if self.previous is not None and rise is not None and rise > c.rl.alarm_reward_rise and \
+                _drop(self.previous, metrics) > c.rl.alarm_drop:
             action = "alarm"
             result.stopped = "reward_hacking"
             log.warning("rl.reward_hacking_alarm", step=step, reward_rise=rise, validation=metrics,
                         previous=self.previous)
-        elif self.best is not None and _drop(self.best, metrics) > c.rollback_margin:
+        elif self.best is not None and _drop(self.best, metrics) > c.rl.rollback_margin:
             action = "rollback"
             result.rollbacks += 1
             log.warning("rl.rollback", step=step, to=str(result.best), validation=metrics, best=self.best)
-            if result.rollbacks > c.max_rollbacks:
+            if result.rollbacks > c.rl.max_rollbacks:
                 action = "stop"
                 result.stopped = "rollbacks"
         if action == "best":

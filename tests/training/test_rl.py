@@ -16,6 +16,7 @@ skip_without("train")
 import torch
 
 from gateway.backends.local_model import LoadedModel, load_model
+from gateway.config import RLSettings
 from training.rl import (
     Group,
     RLConfig,
@@ -251,8 +252,8 @@ def _planted_run(loaded: LoadedModel, tmp_path: Path, *, steps: int, rewards: li
         seen.append(folder)
         return validations[len(seen) - 1]
 
-    rl = RLConfig(lora=SFTConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]), learning_rate=0.05,
-                  eval_every=2, batch_size=2, **config)
+    rl = RLConfig(lora=SFTConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]),
+                  rl=RLSettings(learning_rate=0.05, eval_every=2, batch_size=2, **config))
     return train_rl(loaded, rl, tmp_path / "rl", steps=steps, batches=batches, validate=validate), seen
 
 
