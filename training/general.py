@@ -13,7 +13,7 @@ from typing import Any
 
 from gateway.backends.local_model import load_model
 from gateway.config import TrainingSettings
-from training import data
+from training import data, general_data
 
 
 class GeneralCheck:
@@ -32,11 +32,11 @@ class GeneralCheck:
             return
         loaded = load_model(self.settings.model_path)
         self._model, self._tokenizer = loaded.model, loaded.tokenizer
-        conversations = (data.load_conversations(self.settings.general_data) if self.settings.general_data
-                         else data.general_conversations(self._model, self._tokenizer))
-        train, held_out = data.split_general(conversations, seed=self.settings.seed)
+        conversations = (general_data.load_conversations(self.settings.general_data) if self.settings.general_data
+                         else general_data.general_conversations(self._model, self._tokenizer))
+        train, held_out = general_data.split_general(conversations, seed=self.settings.seed)
         self._train = train
-        self._held_out = data.general_examples(self._tokenizer, held_out, self.settings.max_seq_len)
+        self._held_out = general_data.general_examples(self._tokenizer, held_out, self.settings.max_seq_len)
 
     def training_conversations(self) -> list[list[dict[str, Any]]]:
         """The general conversations training may use (never the held-out ones)."""

@@ -42,7 +42,7 @@ from gateway.config import ServerSettings, Settings
 from replay.filters import Filters
 from replay.rewards import recompute, signal_weights, step_limits
 from replay.store import TrajectoryStore
-from training import data
+from training import data, general_data
 from training.evaluate import Evaluator, report_table, write_reports
 from training.gate import Decision, decide
 from training.general import GeneralCheck
@@ -189,7 +189,7 @@ async def _sft(settings: Settings, filters: Filters, suite: Suite, general: Gene
     if not task_rows:
         raise ReplayTrainError("the selected trajectories hold no model call to train on (with --min-reward, "
                                "are any rewarded that high?)")
-    general_rows = data.general_examples(tokenizer, await asyncio.to_thread(general.training_conversations),
+    general_rows = general_data.general_examples(tokenizer, await asyncio.to_thread(general.training_conversations),
                                          training.max_seq_len)
     rows = data.mix(task_rows, general_rows, min_recovered_share=training.min_recovered_share,
                     general_share=training.general_share, seed=training.seed)

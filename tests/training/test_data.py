@@ -26,21 +26,18 @@ from gateway.config import BackendSettings, Settings
 from gateway.prompting import encode_prompt, hermes_tool_call_text
 from replay.filters import Filters
 from tests.replay import builders
-from training import data
+from training import data, general_data
 from training.data import (
     IGNORE,
     Example,
     TooLong,
     examples_from_store,
-    general_conversations,
-    general_examples,
     is_recovered,
-    load_conversations,
     mix,
     perplexity,
     render_example,
-    split_general,
 )
+from training.general_data import general_conversations, general_examples, load_conversations, split_general
 from training.sft import label_loss
 
 TOOLS = [{"type": "function", "function": {
@@ -357,7 +354,7 @@ def test_mix_repeats_general_rows_when_too_few_and_leaves_shares_already_met() -
 
 
 def test_shipped_prompts_are_plain_and_varied() -> None:
-    prompts = data.load_prompts()
+    prompts = general_data.load_prompts()
     assert 100 <= len(prompts) <= 150 and len(set(prompts)) == len(prompts)
     assert all(isinstance(p, str) and 10 < len(p) < 200 for p in prompts)
 
@@ -378,7 +375,7 @@ def test_general_answers_are_generated_once_and_cached(tiny_model_dir: Path, tmp
     def no_generation(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("generated again instead of reading the cache")
 
-    monkeypatch.setattr(data, "_greedy", no_generation)
+    monkeypatch.setattr(general_data, "_greedy", no_generation)
     assert general_conversations(model, smol_tokenizer, cache_dir=tmp_path / "cache", max_new_tokens=4,
                                  prompts_path=prompts) == first
 

@@ -28,7 +28,7 @@ from replay.importer import Conversation, import_conversations
 from replay.store import TrajectoryStore
 from tests.models import random_lora
 from tests.standin import ServerThread
-from training import data
+from training import data, general_data
 from training.capture import capture
 from training.evaluate import Evaluator
 from training.gate import decide
@@ -137,7 +137,7 @@ def test_the_gate_refuses_a_degraded_adapter_and_accepts_a_trained_one(settings:
     training = settings.training
     general = GeneralCheck(training)
     tokenizer = load_tokenizer(training.model_path)
-    rows = data.general_examples(tokenizer, general.training_conversations(), training.max_seq_len)
+    rows = general_data.general_examples(tokenizer, general.training_conversations(), training.max_seq_len)
     trained = train_sft(training.model_path, rows, SFTConfig.from_settings(training, epochs=3.0, checkpoints=1),
                         tmp_path / "trained").checkpoints[-1]
     degraded = random_lora(tiny_model_dir, tmp_path / "noise", seed=7, scale=2.0)  # loud noise

@@ -19,7 +19,8 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 from gateway.backends.base import ChatRequest
 from gateway.backends.local import LocalBackend
 from gateway.config import BackendSettings, TrainingSettings
-from training.data import IGNORE, Example, general_examples, pad_batch, perplexity
+from training.data import IGNORE, Example, pad_batch, perplexity
+from training.general_data import general_examples
 from training.sft import (
     SFTConfig,
     checkpoint_steps,
