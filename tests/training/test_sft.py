@@ -48,8 +48,8 @@ def tiny_config(**overrides: Any) -> SFTConfig:
     return SFTConfig(**{**settings, **overrides})
 
 
-def test_label_loss_matches_the_models_own_loss_and_gradients(tiny_model_dir: Path, examples: list[Example],
-                                                                smol_tokenizer: PreTrainedTokenizerBase) -> None:
+def test_masked_lm_loss_matches_the_models_own_loss(tiny_model_dir: Path, examples: list[Example],
+                                                    smol_tokenizer: PreTrainedTokenizerBase) -> None:
     model = LlamaForCausalLM.from_pretrained(tiny_model_dir)
     batch = pad_batch(examples[:3], smol_tokenizer.pad_token_id)
     # The model's own loss projects every position; label_loss only those that predict a label.
