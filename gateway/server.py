@@ -33,8 +33,11 @@ class BoundedHttpTools(HttpToolsProtocol):
         self._header_count = 0
         self._in_head = True
         self._refusal: tuple[int, str] | None = None
-        # From the start: a connection that never sends a byte is held no longer than a slow head.
-        self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(self.head_timeout, self._head_timed_out)
+        # From the start: a connection that never sends a byte is held no longer than a slow head. One timer
+        # serves many requests: it checks the current head's deadline when it fires and re-arms for the rest,
+        # so a request costs a clock read, not a timer made and cancelled.
+        self._head_deadline = self.loop.time() + self.head_timeout
+        self._head_timer: asyncio.TimerHandle | None = self.loop.call_at(self._head_deadline, self._head_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()
@@ -59,7 +62,9 @@ class BoundedHttpTools(HttpToolsProtocol):
         super().on_message_begin()
         if not self._in_head:  # the next request on a kept-alive connection: its head starts now
             self._in_head, self._head_bytes, self._header_count = True, 0, 0
-            self._head_timer = self.loop.call_later(self.head_timeout, self._head_timed_out)
+            self._head_deadline = self.loop.time() + self.head_timeout
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_at(self._head_deadline, self._head_timed_out)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
@@ -70,7 +75,6 @@ class BoundedHttpTools(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        self._stop_head_timer()
         if self._refusal is None:
             super().on_headers_complete()
 
@@ -89,7 +93,11 @@ class BoundedHttpTools(HttpToolsProtocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if self._in_head and not self.transport.is_closing():
+        if not self._in_head or self.transport.is_closing():
+            return
+        if self.loop.time() < self._head_deadline:  # a later head than the one this timer was set for
+            self._head_timer = self.loop.call_at(self._head_deadline, self._head_timed_out)
+        else:
             log.info("http.head_timeout", client=self.client, received=self._head_bytes)
             if self._head_bytes:
                 self._refuse(408, f"The request head did not arrive within {self.head_timeout:g} s.")

@@ -21,8 +21,9 @@ def pins() -> dict[str, Version]:
             requirement = Requirement(line)
             (spec,) = requirement.specifier
             assert spec.operator == "==", f"{line}: not pinned"
-            assert requirement.name not in found, f"{requirement.name} pinned twice"
-            found[canonicalize_name(requirement.name)] = Version(spec.version)
+            name = canonicalize_name(requirement.name)
+            assert name not in found, f"{name} pinned twice"
+            found[name] = Version(spec.version)
     return found
 
 

@@ -371,6 +371,21 @@ def pad_batch(examples: list[Example], pad_id: int) -> Batch:
     return Batch(ids, mask, labels, tokens=sum(len(e.input_ids) for e in examples))
 
 
+def label_logits(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits at the positions that predict a label token, and those labels ([n, vocab], [n]).
+
+    The projection to the vocabulary (batch x seq x vocab) is the biggest tensor of a step, and most positions
+    of a row are prompt (system prompt, tool specs, earlier turns) that score nothing; so only the decoder's
+    hidden states at the positions that predict a label go through the output layer. Models whose logits are
+    more than the output layer of the last hidden state (softcapping, a logit scale) need the full path.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a peft wrapper
+    hidden = base.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+    targets = F.pad(batch.labels, (0, 1), value=IGNORE)[:, 1:]
+    scored = targets != IGNORE
+    return base.get_output_embeddings()(hidden[scored]), targets[scored]
+
+
 @torch.no_grad()
 def perplexity(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: list[Example], *,
                batch_size: int = 8) -> float:
@@ -387,11 +402,9 @@ def perplexity(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examp
         for start in range(0, len(ordered), batch_size):
             batch = pad_batch(ordered[start:start + batch_size], pad_id_of(tokenizer)).to(device)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-            labels = F.pad(batch.labels, (0, 1), value=IGNORE)[:, 1:]
-            nll += F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
-                                   reduction="sum").item()
-            count += int((labels != IGNORE).sum())
+                logits, targets = label_logits(model, batch)
+            nll += F.cross_entropy(logits.float(), targets, reduction="sum").item()
+            count += targets.numel()
     finally:
         model.train(was_training)
     return math.exp(nll / count)

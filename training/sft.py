@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from gateway.backends.local_model import LoadedModel, load_model
-from training.data import IGNORE, Batch, Example, pad_batch
+from training.data import IGNORE, Batch, Example, label_logits, pad_batch
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -98,19 +98,9 @@ class SFTResult:
 
 def label_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """Mean cross-entropy of each label token given the tokens before it (labels of -100 are skipped), of
-    ``model`` on ``batch``, projecting to the vocabulary only where a label is scored.
-
-    The projection (batch x seq x vocab logits) is the biggest tensor of a step, and most positions of a row
-    are prompt (system prompt, tool specs, earlier turns) that score nothing; so the decoder's hidden states
-    at the positions that predict a label go through the output layer, and no others. Models whose logits
-    are more than the output layer of the last hidden state (softcapping, a logit scale) need the full path.
-    """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a peft wrapper
-    hidden = base.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-    targets = F.pad(batch.labels, (0, 1), value=IGNORE)[:, 1:]
-    scored = targets != IGNORE
-    logits = base.get_output_embeddings()(hidden[scored])
-    return F.cross_entropy(logits.float(), targets[scored])
+    ``model`` on ``batch``, projecting to the vocabulary only where a label is scored (``label_logits``)."""
+    logits, targets = label_logits(model, batch)
+    return F.cross_entropy(logits.float(), targets)
 
 
 def label_tokens(example: Example) -> int:

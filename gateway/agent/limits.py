@@ -12,16 +12,7 @@ from typing import Any
 
 import orjson
 
-# Reasons a run ends other than completing: the store's vocabulary, re-exported for the loop's own use.
-from replay.vocabulary import (  # noqa: F401
-    BACKEND_ERROR,
-    CLIENT_DISCONNECTED,
-    DEADLINE,
-    LOOP_DETECTED,
-    MAX_STEPS,
-    MAX_TOTAL_TOKENS,
-    TOOL_FAILURES,
-)
+from replay.vocabulary import DEADLINE, LOOP_DETECTED, MAX_STEPS, MAX_TOTAL_TOKENS, TOOL_FAILURES
 
 
 class Termination(Exception):

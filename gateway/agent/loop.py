@@ -23,20 +23,12 @@ from typing import Any, Protocol
 import structlog
 
 from gateway.agent import context as ctx
-from gateway.agent.limits import (
-    BACKEND_ERROR,
-    CLIENT_DISCONNECTED,
-    DEADLINE,
-    Budget,
-    Guard,
-    Limits,
-    Termination,
-    call_signature,
-)
+from gateway.agent.limits import Budget, Guard, Limits, Termination, call_signature
 from gateway.agent.parsing import parse_message
 from gateway.agent.validation import CheckedCall, check_call
 from gateway.backends.base import Backend, BackendError, ChatRequest, ChatResult
 from replay.store import new_id
+from replay.vocabulary import BACKEND_ERROR, CLIENT_DISCONNECTED, DEADLINE
 from tools.executor import ToolOutcome
 from tools.spec import ToolSpec
 

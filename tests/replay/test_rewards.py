@@ -13,13 +13,12 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from gateway.agent import limits
 from gateway.agent.limits import Limits
 from gateway.agent.loop import Profile
 from gateway.config import ConfigError, RewardSettings, load_settings
 from harness.replay import with_filters
 from harness.rewards import rewards as rewards_command
-from replay import hashing
+from replay import hashing, vocabulary
 from replay.filters import Filters
 from replay.rewards import (
     ENGINE,
@@ -328,12 +327,12 @@ async def test_loop_and_budget_terminations_cost_the_whole_penalty(store: Trajec
 
 
 def test_every_loop_or_budget_reason_is_penalised() -> None:
-    assert PENALISED_TERMINATIONS == {limits.LOOP_DETECTED, limits.MAX_STEPS, limits.MAX_TOTAL_TOKENS,
-                                      limits.DEADLINE, limits.TOOL_FAILURES}
+    assert PENALISED_TERMINATIONS == {vocabulary.LOOP_DETECTED, vocabulary.MAX_STEPS, vocabulary.MAX_TOTAL_TOKENS,
+                                      vocabulary.DEADLINE, vocabulary.TOOL_FAILURES}
     penalty = SIGNALS["illegal_action_penalty"]
     for reason in PENALISED_TERMINATIONS:
         assert penalty(view(termination_reason=reason)) == 1.0
-    assert penalty(view(termination_reason=limits.CLIENT_DISCONNECTED)) == 0.0
+    assert penalty(view(termination_reason=vocabulary.CLIENT_DISCONNECTED)) == 0.0
 
 
 async def test_efficiency_scales_by_the_profiles_step_limit(store: TrajectoryStore) -> None:
