@@ -68,7 +68,8 @@ def _trajectory(i: int) -> list[tuple[list[dict[str, Any]], dict[str, Any]]]:
 
 
 async def build(path: Path, n: int) -> None:
-    from replay.store import CallRecord, TrajectoryRef, TrajectoryStore, WriteOp, new_id
+    from replay.records import CallRecord, TrajectoryRef, WriteOp, new_id
+    from replay.store import TrajectoryStore
 
     store = TrajectoryStore(str(path), max_batch=8)
     await store.start()

@@ -16,7 +16,6 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.adapters.manager import AdapterManager
-from gateway.adapters.registry import AdapterRegistry
 from gateway.adapters.service import AdapterService
 from gateway.agent.service import AgentService
 from gateway.api import adapters, agent, approvals, chat, health, models, responses, trajectories
@@ -30,6 +29,7 @@ from gateway.config import Settings
 from gateway.errors import APIError, error_response
 from gateway.metrics import Metrics
 from gateway.routing import Caller, Router
+from replay.adapters import AdapterRegistry
 from replay.store import TrajectoryStore
 from tools.context import ToolContext
 from tools.registry import default_registry

@@ -13,6 +13,7 @@ from starlette.datastructures import Headers
 
 from gateway.errors import APIError
 from gateway.routing import Caller
+from replay import keys
 from replay.store import TrajectoryStore
 
 KEY_PREFIX = "sk-harness-"
@@ -86,7 +87,7 @@ class Authenticator:
             return False
         now = time.monotonic()
         if now >= self._open_until:
-            if await self.store.keys_ever_created():
+            if await keys.ever_created(self.store):
                 self._closed = True
                 return False
             self._open_until = now + self.cache_seconds
@@ -108,7 +109,7 @@ class Authenticator:
         now = time.monotonic()
         cached = self._keys.get(digest)
         if cached is None or now >= cached[0]:
-            row = await self.store.find_key(digest)
+            row = await keys.find(self.store, digest)
             principal = None if row is None else Principal(
                 key_id=row["id"], tenant=row["tenant"], capture=bool(row["capture"]),
                 default_model=row["default_model"], allow_model_override=bool(row["allow_model_override"]))

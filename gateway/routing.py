@@ -24,9 +24,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from gateway.adapters.registry import AdapterVersion
 from gateway.config import RoutingSettings
 from gateway.errors import APIError, model_not_found
+from replay.adapters import AdapterVersion
 
 B = TypeVar("B")
 

@@ -19,10 +19,10 @@ from rich.console import Console
 from rich.table import Table
 
 from gateway.adapters import archive
-from gateway.adapters.registry import AdapterRegistry, AdapterVersion, RegistryError, parse_ref
 from gateway.adapters.service import AdapterService
 from gateway.logging import configure_logging
 from harness.support import ConfigOption, GatewayOption, JsonOption, call_gateway, fail, settings_or_exit
+from replay.adapters import AdapterRegistry, AdapterVersion, RegistryError, parse_ref
 
 T = TypeVar("T")
 

@@ -16,7 +16,6 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from gateway.agent import approvals
 from harness.support import (
     ConfigOption,
     GatewayOption,
@@ -27,6 +26,7 @@ from harness.support import (
     settings_or_exit,
     with_store,
 )
+from replay import approvals
 
 app = typer.Typer(help="Tool calls waiting for a person's approval.", no_args_is_help=True)
 console = Console()

@@ -19,6 +19,8 @@ from harness.approvals import app as approvals_app
 from harness.replay import app as replay_app
 from harness.support import ConfigOption, format_time, settings_or_exit, with_store
 from harness.training import register as register_training_commands
+from replay import keys
+from replay.model import Trajectory
 from tools.extras import MissingExtra
 
 T = TypeVar("T")
@@ -55,7 +57,7 @@ def serve(config: str | None = ConfigOption,
         settings.server.port = port
     configure_logging(settings.server.log_format, settings.server.log_level)
     if not is_loopback(settings.server.host):
-        if not with_store(settings, lambda s: s.keys_ever_created()):
+        if not with_store(settings, keys.ever_created):
             typer.echo(f"error: refusing to bind {settings.server.host}: no API key was ever created, so no request "
                        "could be let in. Create one with 'harness keys create --tenant NAME' or bind 127.0.0.1.",
                        err=True)
@@ -141,7 +143,7 @@ def keys_create(tenant: str = typer.Option(..., help="Tenant this key belongs to
     """Create a key; the secret is printed once and stored only as a hash."""
     settings = settings_or_exit(config)
     secret = new_secret()
-    key_id = with_store(settings, lambda s: s.create_key(
+    key_id = with_store(settings, lambda s: keys.create(s,
         tenant=tenant, name=name, capture=capture, secret_hash=hash_secret(secret), default_model=default_model,
         allow_model_override=allow_model_override))
     typer.echo(f"id:     {key_id}\ntenant: {tenant}\nkey:    {secret}\n(the key is shown only now)")
@@ -151,7 +153,7 @@ def keys_create(tenant: str = typer.Option(..., help="Tenant this key belongs to
 def keys_list(config: str | None = ConfigOption,
               as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """List keys (never their secrets)."""
-    rows = with_store(settings_or_exit(config), lambda s: s.list_keys())
+    rows = with_store(settings_or_exit(config), keys.list_keys)
     if as_json:
         typer.echo(orjson.dumps(rows).decode())
         return
@@ -166,7 +168,7 @@ def keys_list(config: str | None = ConfigOption,
 @keys_app.command("revoke")
 def keys_revoke(key_id: str, config: str | None = ConfigOption) -> None:
     """Revoke a key by id."""
-    if not with_store(settings_or_exit(config), lambda s: s.revoke_key(key_id)):
+    if not with_store(settings_or_exit(config), lambda s: keys.revoke(s, key_id)):
         typer.echo(f"error: no active key with id {key_id}", err=True)
         raise typer.Exit(1)
     typer.echo(f"revoked {key_id}")
@@ -181,14 +183,14 @@ def trajectories_list(config: str | None = ConfigOption,
     rows = with_store(settings_or_exit(config), lambda s: s.list_trajectories(
         tenant=tenant, all_tenants=tenant is None, limit=limit))
     if as_json:
-        typer.echo(orjson.dumps(rows).decode())
+        typer.echo(orjson.dumps([t.summary() for t in rows]).decode())
         return
     table = Table("created", "source", "tenant", "model", "status", "calls", "msgs", "tokens", "parent")
     table.add_column("id", no_wrap=True)
-    for r in rows:
-        table.add_row(format_time(r["created_at"]), r["source"], r["tenant"] or "", r["requested_model"] or "",
-                      r["status"], str(r["n_calls"]), str(r["message_count"]),
-                      str(r["prompt_tokens"] + r["completion_tokens"]), r["parent_id"] or "", r["id"])
+    for t in rows:
+        table.add_row(format_time(t.created_at), t.source, t.tenant or "", t.requested_model or "", t.status,
+                      str(t.n_calls), str(t.message_count), str(t.prompt_tokens + t.completion_tokens),
+                      t.parent_id or "", t.id)
     console.print(table)
 
 
@@ -201,30 +203,30 @@ def trajectories_show(trajectory_id: str, config: str | None = ConfigOption,
         typer.echo(f"error: no trajectory {trajectory_id}", err=True)
         raise typer.Exit(1)
     if as_json:
-        typer.echo(orjson.dumps(found, option=orjson.OPT_INDENT_2).decode())
+        typer.echo(orjson.dumps(found.to_dict(), option=orjson.OPT_INDENT_2).decode())
         return
     _print_timeline(found)
 
 
-def _print_timeline(t: dict[str, Any]) -> None:
-    console.print(f"[bold]trajectory {t['id']}[/bold]  {t['status']}  model={t['requested_model']}  "
-                  f"tenant={t['tenant'] or '-'}  calls={t['n_calls']}  parent={t['parent_id'] or '-'}")
+def _print_timeline(t: Trajectory) -> None:
+    console.print(f"[bold]trajectory {t.id}[/bold]  {t.status}  model={t.requested_model}  "
+                  f"tenant={t.tenant or '-'}  calls={t.n_calls}  parent={t.parent_id or '-'}")
     seen = 0
-    for call in t["calls"]:
-        console.print(f"\n[dim]── call {call['seq']} · {format_time(call['created_at'])} · {call['backend']} · "
-                      f"{call['status']} · {call['latency_ms']:.0f} ms · "
-                      f"{call['prompt_tokens']}+{call['completion_tokens']} tokens[/dim]")
-        messages = call["request"]["messages"]
+    for call in t.calls:
+        console.print(f"\n[dim]── call {call.seq} · {format_time(call.created_at)} · {call.backend} · "
+                      f"{call.status} · {call.latency_ms or 0:.0f} ms · "
+                      f"{call.prompt_tokens}+{call.completion_tokens} tokens[/dim]")
+        messages = call.messages
         # Clients resend the history; show only what is new since the previous call.
         for m in messages[seen:]:
             _print_message(m)
         seen = len(messages)
-        for choice in (call["response"] or {}).get("choices", []):
+        for choice in (call.response or {}).get("choices", []):
             if choice.get("message"):
                 _print_message(choice["message"], suffix=f" ({choice.get('finish_reason')})")
                 seen += 1 if choice.get("index", 0) == 0 else 0
-        if call["error"]:
-            console.print(f"[red]error:[/red] {call['error']}")
+        if call.error:
+            console.print(f"[red]error:[/red] {call.error}")
 
 
 def _print_message(m: dict[str, Any], suffix: str = "") -> None:

@@ -14,11 +14,11 @@ import orjson
 import typer
 from rich.console import Console
 
-from gateway.adapters.registry import AdapterRegistry, RegistryError, parse_ref
 from gateway.config import Settings
 from gateway.logging import configure_logging
 from harness.replay import with_filters
 from harness.support import ConfigOption, fail, settings_or_exit
+from replay.adapters import AdapterRegistry, RegistryError, parse_ref
 from replay.filters import Filters
 from tools.extras import require_extra
 

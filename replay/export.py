@@ -43,8 +43,8 @@ import structlog
 
 from replay import hashing
 from replay.filters import Filters
+from replay.records import new_id
 from replay.redact import Redactor
-from replay.store import new_id
 from tools.extras import require_extra
 
 log = structlog.get_logger()

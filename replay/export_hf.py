@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from replay.export import ExportError, ExportResult, Row
-from replay.store import new_id
+from replay.records import new_id
 
 
 def hf_features() -> Any:

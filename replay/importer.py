@@ -24,7 +24,8 @@ import orjson
 import structlog
 
 from replay import hashing
-from replay.store import CallRecord, TrajectoryRef, TrajectoryStore, WriteOp, new_id
+from replay.records import CallRecord, TrajectoryRef, WriteOp, new_id
+from replay.store import TrajectoryStore
 
 log = structlog.get_logger()
 

@@ -25,18 +25,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-import orjson
-
+from replay import feedback
 from replay.filters import Filters
+from replay.model import Trajectory, content_text
+from replay.records import Statement, WriteOp
 from replay.settings import RewardSettings
-from replay.signals import (
-    DEFAULT_STEP_LIMIT,
-    SIGNALS,
-    FeedbackView,
-    ToolCallView,
-    TrajectoryView,
-)
-from replay.store import TrajectoryStore, WriteOp
+from replay.signals import DEFAULT_STEP_LIMIT, SIGNALS, TrajectoryView
+from replay.store import TrajectoryStore
 from replay.vocabulary import MAX_STEPS
 
 ENGINE = "reward_engine"
@@ -163,89 +158,56 @@ def score(view: TrajectoryView, settings: RewardSettings | Mapping[str, float]) 
 # -- loading -----------------------------------------------------------------------------------------
 
 
-def _text(content: Any) -> str | None:
-    if content is None or isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts
-        return "".join(p.get("text") or "" for p in content if isinstance(p, dict))
-    return str(content)
-
-
-def _reply(call: dict[str, Any]) -> dict[str, Any] | None:
-    choices = (call.get("response") or {}).get("choices") or []
-    return choices[0].get("message") if choices else None
-
-
-def _step_limit(trajectory: dict[str, Any], run: dict[str, Any] | None,
-                step_limits: Mapping[str, int] | None) -> int:
+def _step_limit(trajectory: Trajectory, step_limits: Mapping[str, int] | None) -> int:
     """The run's own limit where it shows, then its profile's (``step_limits``), then a default."""
+    run = trajectory.run
     if run is not None:
-        if run["termination_reason"] == MAX_STEPS and run["steps"]:
-            return int(run["steps"])  # it stopped exactly at its (maybe tightened) limit
-        limit = (step_limits or {}).get(run["profile"])
+        if run.termination_reason == MAX_STEPS and run.steps:
+            return run.steps  # it stopped exactly at its (maybe tightened) limit
+        limit = (step_limits or {}).get(run.profile)
         if limit:
             return int(limit)
-    meta = trajectory.get("metadata") or {}
+    meta = trajectory.metadata or {}
     limit = meta.get("max_steps") if isinstance(meta, dict) else None
     if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
         return limit
     return DEFAULT_STEP_LIMIT
 
 
-async def load_view(store: TrajectoryStore, trajectory_id: str, *,
-                    step_limits: Mapping[str, int] | None = None,
-                    trajectory: dict[str, Any] | None = None) -> TrajectoryView | None:
-    """Everything signals see of one stored trajectory; None when there is no such trajectory.
-
-    ``step_limits`` maps agent profiles to their ``max_steps`` (from ``[[profiles]]``); ``trajectory`` is the
-    trajectory as ``store.get_trajectory`` gives it, when the caller has already read it.
-    """
-    t = trajectory if trajectory is not None else await store.get_trajectory(trajectory_id, all_tenants=True)
-    if t is None:
-        return None
-    run = await store.agent_run(trajectory_id)
-    state = orjson.loads(run["state"]) if run and run.get("state") else {}
-    calls = t["calls"]
-    steps = [c for c in calls if c["request"].get("purpose", "step") != "summary"]
-
-    # What the client sent back for its own tools (proxy mode), by call id.
-    client_results: dict[str, str] = {}
-    for c in calls:
-        for m in c["request"]["messages"]:
-            if isinstance(m, dict) and m.get("role") == "tool" and m.get("tool_call_id"):
-                client_results.setdefault(m["tool_call_id"], _text(m.get("content")) or "")
-    tool_calls = [ToolCallView(
-        step=r["step"], call_id=r["call_id"], name=r["name"], arguments=r["raw_arguments"] or "",
-        valid=bool(r["valid"]), status=r["status"],
-        result=r["result"] if r["result"] is not None or r["status"] != "returned"
-        else client_results.get(r["call_id"] or "")) for r in await store.tool_call_rows(trajectory_id)]
-
-    last = next((c for c in reversed(calls) if _reply(c) is not None), None)
-    messages = [*last["request"]["messages"], _reply(last)] if last else list(state.get("messages") or [])
+def view_of(t: Trajectory, *, step_limits: Mapping[str, int] | None = None) -> TrajectoryView:
+    """Everything signals see of a trajectory. ``step_limits`` maps agent profiles to their ``max_steps``
+    (from ``[[profiles]]``)."""
+    state = t.run.state if t.run else {}
+    steps = t.steps
+    last = next((c for c in reversed(t.calls) if c.reply is not None), None)
+    messages = [*last.messages, last.reply] if last else list(state.get("messages") or [])
     if state.get("final") is not None:
         final: str | None = state["final"]
     else:
-        reply = _reply(last) if last else None
-        final = _text(reply.get("content")) if reply and not reply.get("tool_calls") else None
-
-    feedback = [FeedbackView(source=r["source"], name=r["name"], value=r["value"], label=r["label"],
-                             comment=r["comment"], model_call_seq=r["model_call_seq"], created_at=r["created_at"])
-                for r in await store.feedback_rows(trajectory_id) if r["source"] != ENGINE]
+        reply = last.reply if last else None
+        final = content_text(reply.get("content")) if reply and not reply.get("tool_calls") else None
     return TrajectoryView(
-        id=trajectory_id, source=t["source"], status=t["status"],
-        termination_reason=t["termination_reason"] or (run["termination_reason"] if run else None),
-        messages=messages, tool_calls=tool_calls, final_answer=final, steps=len(steps),
-        step_seqs=[c["seq"] for c in steps], step_limit=_step_limit(t, run, step_limits), feedback=feedback,
-        task_id=t.get("task_id"), profile=run["profile"] if run else None, metadata=t.get("metadata"))
+        id=t.id, source=t.source, status=t.status,
+        termination_reason=t.termination_reason or (t.run.termination_reason if t.run else None),
+        messages=messages, tool_calls=t.tool_calls, final_answer=final, steps=len(steps),
+        step_seqs=[c.seq for c in steps], step_limit=_step_limit(t, step_limits),
+        feedback=[f for f in t.feedback if f.source != ENGINE], task_id=t.task_id,
+        profile=t.run.profile if t.run else None, metadata=t.metadata)
+
+
+async def load_view(store: TrajectoryStore, trajectory_id: str, *,
+                    step_limits: Mapping[str, int] | None = None) -> TrajectoryView | None:
+    """``view_of`` a stored trajectory; None when there is no such trajectory."""
+    t = await store.get_trajectory(trajectory_id, all_tenants=True)
+    return None if t is None else view_of(t, step_limits=step_limits)
 
 
 # -- storing -----------------------------------------------------------------------------------------
 
 
-def result_statements(result: RewardResult) -> list[tuple[str, tuple[Any, ...]]]:
+def result_statements(result: RewardResult) -> list[Statement]:
     """Replace the engine's rows of a trajectory with ``result`` and set its ``final_reward``."""
-    return TrajectoryStore.replace_feedback_statements(result.trajectory_id, ENGINE, result.rows(), result.total,
-                                                       set_final_reward=True)
+    return feedback.replacing(result.trajectory_id, ENGINE, result.rows(), result.total, set_final_reward=True)
 
 
 async def store_result(store: TrajectoryStore, result: RewardResult) -> None:
@@ -289,7 +251,7 @@ async def recompute(store: TrajectoryStore, filters: Filters, settings: RewardSe
     weights = signal_weights(settings)  # fails before anything is read when a weight names no signal
     ids = await store.select_ids(filters)
     totals = _Totals(weights)
-    pending: list[tuple[str, tuple[Any, ...]]] = []
+    pending: list[Statement] = []
     in_batch = 0
     for i, tid in enumerate(ids, 1):
         view = await load_view(store, tid, step_limits=step_limits)

@@ -24,13 +24,11 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import orjson
 
+from replay.model import Feedback, ToolCall
 from replay.vocabulary import DEADLINE, LOOP_DETECTED, MAX_STEPS, MAX_TOTAL_TOKENS, TOOL_FAILURES
 
 # Terminations that cost the whole illegal-action penalty: the run looped or spent a budget.
 PENALISED_TERMINATIONS = frozenset({LOOP_DETECTED, MAX_STEPS, MAX_TOTAL_TOKENS, DEADLINE, TOOL_FAILURES})
-# Tool-call statuses meaning the call was not allowed to run as made (``retried``: the proxy guard sent an
-# invalid call back to the model; such rows also have valid = 0, and the valid calls beside it were not run).
-REFUSED_STATUSES = frozenset({"invalid", "denied"})
 # The step limit assumed where neither the run nor its profile says (the agent loop's own default).
 DEFAULT_STEP_LIMIT = 10
 # The shortest string from a tool result that counts as used when it reappears.
@@ -38,40 +36,6 @@ MIN_USED_STRING = 8
 
 
 # -- the view ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ToolCallView:
-    """One tool call as the store holds it, with the result the model saw."""
-
-    step: int  # the model call's seq
-    call_id: str | None
-    name: str | None
-    arguments: str  # raw, as the model wrote them
-    valid: bool
-    status: str  # ok | error | timeout | invalid | denied | returned | retried | pending_approval
-    result: str | None  # the agent's tool output, or (proxy mode) the client's tool message
-
-    @property
-    def succeeded(self) -> bool:
-        """A result the model could use: ran fine, or (proxy mode) the client sent back its result."""
-        return self.valid and (self.status == "ok" or (self.status == "returned" and self.result is not None))
-
-    @property
-    def refused(self) -> bool:
-        """Invalid (bad arguments, unknown or forbidden tool) or refused (a repeat, an unapproved tool)."""
-        return not self.valid or self.status in REFUSED_STATUSES
-
-
-@dataclass(frozen=True)
-class FeedbackView:
-    source: str  # verifier | user | ...
-    name: str
-    value: float | None
-    label: str | None
-    comment: str | None = None
-    model_call_seq: int | None = None
-    created_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -83,18 +47,18 @@ class TrajectoryView:
     status: str
     termination_reason: str | None
     messages: list[dict[str, Any]]  # the last model call's messages as sent, plus its reply
-    tool_calls: list[ToolCallView]  # in the order made
+    tool_calls: list[ToolCall]  # in the order made
     final_answer: str | None
     steps: int  # model calls that were steps (summaries excluded)
     step_seqs: list[int]  # their seqs
     step_limit: int
-    feedback: list[FeedbackView]  # from everyone but the reward engine, oldest first
+    feedback: list[Feedback]  # from everyone but the reward engine, oldest first
     task_id: str | None = None
     profile: str | None = None
     metadata: dict[str, Any] | None = None
 
-    def calls_by_step(self) -> dict[int, list[ToolCallView]]:
-        out: dict[int, list[ToolCallView]] = {}
+    def calls_by_step(self) -> dict[int, list[ToolCall]]:
+        out: dict[int, list[ToolCall]] = {}
         for call in self.tool_calls:
             out.setdefault(call.step, []).append(call)
         return out
@@ -255,7 +219,7 @@ def usage(view: TrajectoryView) -> dict[int, bool]:
     return out
 
 
-def _validity(calls: list[ToolCallView], used: dict[int, bool], indexes: list[int]) -> float:
+def _validity(calls: list[ToolCall], used: dict[int, bool], indexes: list[int]) -> float:
     """Share of valid calls times share of successful results used (0 when none succeeded)."""
     valid = sum(1 for c in calls if c.valid) / len(calls)
     ok = [i for i in indexes if i in used]
@@ -268,7 +232,7 @@ POSITIVE_LABELS = frozenset({"up", "thumbs_up", "thumbs-up", "success", "pass", 
 NEGATIVE_LABELS = frozenset({"down", "thumbs_down", "thumbs-down", "failure", "fail", "failed"})
 
 
-def feedback_outcome(row: FeedbackView) -> float | None:
+def feedback_outcome(row: Feedback) -> float | None:
     """A feedback row as a success value: thumbs up/down → 1/0, label success/failure → 1/0, a score in
     [0, 1] → itself; anything else → None (not an outcome)."""
     if row.label:

@@ -1,4 +1,4 @@
-"""Names shared by everything that writes or reads trajectories: why a run ended, in the store's words.
+"""Names shared by everything that writes or reads trajectories: why a run ended, how a tool call went.
 
 They live here, with the store, so the reward engine and training read them without importing the gateway
 that writes them; the names are a public contract (the API's ``termination_reason``).
@@ -12,3 +12,7 @@ LOOP_DETECTED = "loop_detected"
 CLIENT_DISCONNECTED = "client_disconnected"
 BACKEND_ERROR = "backend_error"
 
+
+# Tool-call statuses meaning the call was not allowed to run as made (``retried``: the proxy guard sent an
+# invalid call back to the model; such rows also have valid = 0, and the valid calls beside it were not run).
+REFUSED_STATUSES = frozenset({"invalid", "denied"})

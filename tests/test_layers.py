@@ -7,6 +7,7 @@ Every import is counted, at module level or inside a function, type-checking one
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,3 +67,47 @@ def test_only_the_config_reads_the_environment() -> None:
                     {alias.name for alias in node.names} & {"environ", "getenv", "environb"}:
                 readers.add(module)
     assert readers == {"gateway.config"}, f"the environment is read outside the config: {sorted(readers)}"
+
+
+# -- one owner of SQL --------------------------------------------------------------------------------------
+
+SQL = re.compile(r"^\s*(SELECT|INSERT|UPDATE|DELETE|REPLACE|CREATE|ALTER|DROP|PRAGMA|BEGIN|COMMIT)\b")
+# Databases that are not the store: the sql_query tool's own database, and the task suite's fixture database.
+NOT_THE_STORE = {"tools.builtin.sql_query", "training.tasks.tools_suite"}
+STORE_PRIVATE = {"_select", "_change", "_change_returning", "_transaction"}
+
+
+def sql_in(path: Path) -> list[str]:
+    """SQL written in a module: string literals (f-strings' parts too) that read as statements, and uses of the
+    store's private doors."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and SQL.match(node.value):
+            found.append(f"line {node.lineno}: {node.value.strip()[:40]!r}")
+        elif isinstance(node, ast.Attribute) and node.attr in STORE_PRIVATE and \
+                not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+            found.append(f"line {node.lineno}: .{node.attr}")
+    return found
+
+
+def test_sql_against_the_store_is_written_in_replay_alone() -> None:
+    outside = {module: hits for module, path in modules().items()
+               if not module.startswith("replay") and module not in NOT_THE_STORE and (hits := sql_in(path))}
+    assert not outside, "\n".join(f"{m}: {', '.join(h)}" for m, h in sorted(outside.items()))
+
+
+def test_the_sql_check_finds_what_it_looks_for(tmp_path: Path) -> None:
+    planted = tmp_path / "planted.py"
+    planted.write_text('ROWS = "SELECT * FROM trajectories"\n'
+                       'def f(store, t):\n'
+                       '    return store._select(f"UPDATE bot_messages SET status = {t}")\n')
+    assert len(sql_in(planted)) == 3
+    assert sql_in(ROOT / "replay" / "approvals.py")  # the repositories do hold SQL
+    assert sql_in(ROOT / "tools" / "builtin" / "sql_query.py")  # and so does the exempt tool
+
+
+def test_the_store_has_no_open_door() -> None:
+    from replay.store import TrajectoryStore
+
+    public = {name for name in vars(TrajectoryStore) if not name.startswith("_")}
+    assert not public & {"query", "execute", "execute_returning", "transaction", "executemany"}, public

@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
 from gateway.agent.loop import Profile, RunState
 from gateway.agent.recording import StoreRecorder
 from gateway.config import Settings
+from replay import feedback, runs
 from replay.importer import Conversation, ImportResult, build_op
-from replay.store import TrajectoryStore, WriteOp
+from replay.records import WriteOp
+from replay.store import TrajectoryStore
 from training.evaluate import Evaluator, RecorderFor, spread
 from training.metrics import Episode, metrics_of
 from training.tasks import Task, get_suite
@@ -53,11 +53,10 @@ async def label_episodes(store: TrajectoryStore, suite: str, tasks: list[Task], 
         extra = {"suite": suite, "split": split, "family": task.family, **(metadata or {})}
         if task.fault is not None:
             extra["fault"] = {"tool": task.fault.tool, "kind": task.fault.kind, "call": task.fault.call}
-        statements.append(("UPDATE trajectories SET task_id = ?, group_id = COALESCE(?, group_id), metadata = ? "
-                           "WHERE id = ?", (episode.task_id, (groups or {}).get(episode.task_id),
-                                            orjson.dumps(extra).decode(), episode.run_id)))
-        statements.append(store.feedback_statement(episode.run_id, source="verifier", name="task_success",
-                                                   value=1.0 if episode.success else 0.0))
+        statements.append(runs.task_statement(episode.run_id, task_id=episode.task_id,
+                                              group_id=(groups or {}).get(episode.task_id), metadata=extra))
+        statements.append(feedback.statement(episode.run_id, source="verifier", name="task_success",
+                                             value=1.0 if episode.success else 0.0))
     await store.write(WriteOp(statements=statements))
 
 
@@ -81,7 +80,7 @@ async def capture(settings: Settings, suite_name: str, split: str, *, demos: boo
                     metadata={"suite": suite.name, "split": split, "family": task.family}))
             imported = ImportResult()
             op = build_op(conversations, source="demo", result=imported)
-            op.statements += [store.feedback_statement(tid, source="verifier", name="task_success", value=1.0)
+            op.statements += [feedback.statement(tid, source="verifier", name="task_success", value=1.0)
                               for tid in imported.ids]
             await store.write(op)
             result.demonstrations = len(conversations)

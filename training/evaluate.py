@@ -25,7 +25,7 @@ from gateway.agent.loop import AgentLoop, Profile, Recorder, RunState, StepRecor
 from gateway.backends.base import Backend, ChatRequest, ChatResult
 from gateway.backends.local import LocalBackend
 from gateway.config import BackendSettings, TrainingSettings
-from replay.store import new_id
+from replay.records import new_id
 from training.metrics import METRICS, Episode, format_value, metrics_of
 from training.tasks import Suite, Task, get_suite
 

@@ -36,9 +36,9 @@ import orjson
 from rich.console import Console
 
 from gateway.adapters import archive
-from gateway.adapters.registry import AdapterRegistry, AdapterVersion
 from gateway.backends.local_model import load_tokenizer
 from gateway.config import ServerSettings, Settings
+from replay.adapters import AdapterRegistry, AdapterVersion
 from replay.filters import Filters
 from replay.rewards import recompute, signal_weights, step_limits
 from replay.store import TrajectoryStore

@@ -25,8 +25,9 @@ from pathlib import Path
 import structlog
 
 from gateway.config import Settings
-from replay.rewards import IN_FLIGHT, load_view, result_statements, score, signal_weights, step_limits
-from replay.store import TrajectoryStore, WriteOp, new_id
+from replay.records import WriteOp, new_id
+from replay.rewards import IN_FLIGHT, result_statements, score, signal_weights, step_limits, view_of
+from replay.store import TrajectoryStore
 from training.capture import label_episodes, store_recorder
 from training.evaluate import Evaluator
 from training.metrics import Episode
@@ -63,7 +64,7 @@ async def groups_from_store(store: TrajectoryStore, ids: list[str], rewards: Map
     for tid in ids:
         stats.trajectories += 1
         stored = await store.get_trajectory(tid, all_tenants=True)
-        view = None if stored is None else await load_view(store, tid, step_limits=step_limits, trajectory=stored)
+        view = None if stored is None else view_of(stored, step_limits=step_limits)
         if stored is None or view is None or view.status in IN_FLIGHT:
             stats.unscored += 1
             continue
@@ -73,13 +74,12 @@ async def groups_from_store(store: TrajectoryStore, ids: list[str], rewards: Map
         if result.total is None:
             stats.unscored += 1
             continue
-        if stored["base_model"] not in (None, base_model):
+        if stored.base_model not in (None, base_model):
             stats.other_model += 1
             continue
-        samples = [Sample(c["prompt_token_ids"], c["completion_token_ids"][0], c["completion_logprobs"][0], c["seq"])
-                   for c in stored["calls"]
-                   if c["status"] == "ok" and c["request"].get("purpose", "step") != "summary"
-                   and c["prompt_token_ids"] and c["completion_token_ids"] and c["completion_logprobs"]]
+        samples = [Sample(c.prompt_token_ids, c.completion_token_ids[0], c.completion_logprobs[0], c.seq)
+                   for c in stored.steps
+                   if c.status == "ok" and c.prompt_token_ids and c.completion_token_ids and c.completion_logprobs]
         if not samples:
             stats.without_logprobs += 1
             continue
@@ -87,14 +87,14 @@ async def groups_from_store(store: TrajectoryStore, ids: list[str], rewards: Map
         for signal, per_step in result.per_step.items():
             for seq, value in per_step.items():
                 step_rewards[seq] = step_rewards.get(seq, 0.0) + result.weights.get(signal, 0.0) * value
-        key = stored["group_id"] or stored["task_id"]
+        key = stored.group_id or stored.task_id
         if key is None:
             stats.without_siblings += 1
             continue
         members.setdefault(key, []).append(Trajectory(id=tid, reward=result.total, samples=samples,
                                                       step_rewards=step_rewards,
                                                       success=result.signals.get("task_success")))
-        task_of[key] = stored["task_id"]
+        task_of[key] = stored.task_id
     if statements:
         await store.write(WriteOp(statements=statements))
     groups = []

@@ -15,7 +15,7 @@ import tarfile
 import tempfile
 from pathlib import Path, PurePosixPath
 
-from gateway.adapters.registry import RegistryError
+from replay.adapters import RegistryError
 
 CONFIG_FILE = "adapter_config.json"
 EXPANSION_LIMIT = 4  # unpacked bytes may be at most this many times the archive limit

@@ -16,10 +16,10 @@ from typing import Any
 
 import structlog
 
-from gateway.adapters.registry import AdapterRegistry, AdapterVersion
 from gateway.backends.base import AdapterNotLoaded, Backend, BackendError, ChatRequest, ChatResult, serves_adapters
 from gateway.errors import APIError
 from gateway.routing import Snapshot, Target
+from replay.adapters import AdapterRegistry, AdapterVersion
 
 log = structlog.get_logger()
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from gateway.adapters import archive
 from gateway.adapters.manager import AdapterManager, LoadResult
-from gateway.adapters.registry import AdapterRegistry, AdapterVersion, RegistryError, check_name
+from replay.adapters import AdapterRegistry, AdapterVersion, RegistryError, check_name
 
 
 class AdapterService:

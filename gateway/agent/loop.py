@@ -27,7 +27,8 @@ from gateway.agent.limits import Budget, Guard, Limits, Termination, call_signat
 from gateway.agent.parsing import parse_message
 from gateway.agent.validation import CheckedCall, check_call
 from gateway.backends.base import Backend, BackendError, ChatRequest, ChatResult
-from replay.store import new_id
+from replay.approvals import APPROVED, EXPIRED
+from replay.records import new_id
 from replay.vocabulary import BACKEND_ERROR, CLIENT_DISCONNECTED, DEADLINE
 from tools.executor import ToolOutcome
 from tools.spec import ToolSpec
@@ -40,7 +41,6 @@ CALL_MODEL, PARSE, VALIDATE, EXECUTE, OBSERVE, SUMMARIZE = (
 FINAL, TERMINATED, ERROR = "FINAL", "TERMINATED", "ERROR"
 AWAIT_APPROVAL, APPROVAL = "AWAIT_APPROVAL", "APPROVAL"
 USER_TURN = "USER_TURN"  # a conversation's next message joined the run
-APPROVED, DENIED, EXPIRED = "approved", "denied", "expired"
 
 APPROVAL_NEEDED = ("Not run: {name} needs a person's approval, and no approver is available. Continue without it "
                    "or say what you would have done.")

@@ -6,18 +6,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import orjson
-
 from gateway.agent.loop import Profile, RunState, StepRecord
-from replay import hashing
-from replay.store import CallRecord, TrajectoryRef, TrajectoryStore, WriteOp
+from replay import approvals, hashing, runs
+from replay.records import CallRecord, Statement, TrajectoryRef, WriteOp
+from replay.store import TrajectoryStore
 
 _TRAJECTORY_STATUS = {"running": "running", "completed": "completed", "terminated": "terminated",
                       "error": "error", "interrupted": "interrupted", "pending_approval": "pending_approval"}
-
-
-def _json(value: Any) -> str:
-    return orjson.dumps(value, default=str).decode()
 
 
 class StoreRecorder:
@@ -37,20 +32,13 @@ class StoreRecorder:
     async def start(self, state: RunState) -> None:
         if not self.capture:
             return
-        now = time.time()
-        await self.store.write(WriteOp(statements=[
-            ("""INSERT OR IGNORE INTO trajectories(id, source, tenant, key_id, requested_model, base_model, status,
-                    message_count, metadata, created_at, updated_at)
-                VALUES (?, ?, ?, ?, ?, ?, 'running', ?, ?, ?, ?)""",
-             (state.run_id, self.source, self.tenant, self.key_id, f"agent:{self.profile.name}", self.profile.model,
-              len(state.messages), _json(self.metadata) if self.metadata else None, now, now)),
-            ("""INSERT OR IGNORE INTO agent_runs(id, profile, status, steps, state, created_at, updated_at)
-                VALUES (?, ?, ?, 0, ?, ?, ?)""",
-             (state.run_id, self.profile.name, state.status, _json(state.to_dict()), now, now)),
-        ]))
+        await self.store.write(WriteOp(statements=runs.start_statements(runs.RunStart(
+            run_id=state.run_id, profile=self.profile.name, status=state.status, state=state.to_dict(),
+            source=self.source, tenant=self.tenant, key_id=self.key_id, requested_model=f"agent:{self.profile.name}",
+            base_model=self.profile.model, message_count=len(state.messages), metadata=self.metadata,
+            at=time.time()))))
 
-    async def step(self, state: RunState, record: StepRecord,
-                   also: list[tuple[str, tuple[Any, ...]]] | None = None) -> None:
+    async def step(self, state: RunState, record: StepRecord, also: list[Statement] | None = None) -> None:
         """Persist one step with the run's state; ``also`` are more statements for the same commit."""
         if not self.capture:
             return
@@ -79,26 +67,17 @@ class StoreRecorder:
                              "status": o.status, "result": o.output, "duration_ms": o.duration_ms}
                             for c, o in record.calls]))
             state.model_calls += 1
-        statements: list[tuple[str, tuple[Any, ...]]] = list(also or [])
-        for a in record.approvals:
-            statements.append(("""INSERT INTO approvals(id, trajectory_id, step, call_id, tool, arguments, status,
-                                      created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?)""",
-                               (a["id"], state.run_id, record.step, a["call_id"], a["name"], _json(a["arguments"]),
-                                now, now + self.approval_expiry_seconds)))
-        for call_id, outcome in record.decided:
-            statements.append(("UPDATE tool_calls SET status = ?, result = ?, duration_ms = ? WHERE trajectory_id = ? "
-                               "AND call_id = ? AND status = 'pending_approval'",
-                               (outcome.status, outcome.output, outcome.duration_ms, state.run_id, call_id)))
-        for event in record.events:
-            statements.append(("INSERT INTO events(trajectory_id, step, state, data, created_at) "
-                               "VALUES (?, ?, ?, ?, ?)",
-                               (state.run_id, event.step, event.state, _json(event.data), event.created_at)))
-        statements.append((
-            """UPDATE agent_runs SET status = ?, termination_reason = ?, steps = ?, state = ?, result = ?,
-                   updated_at = ? WHERE id = ?""",
-            (state.status, state.termination_reason, state.budget.steps, _json(state.to_dict()),
-             _json(state.harness()), now, state.run_id)))
-        statements.append((
-            "UPDATE trajectories SET status = ?, termination_reason = ?, updated_at = ? WHERE id = ?",
-            (_TRAJECTORY_STATUS[state.status], state.termination_reason, now, state.run_id)))
+        statements: list[Statement] = list(also or [])
+        statements += [approvals.hold_statement(
+            state.run_id, approval_id=a["id"], step=record.step, call_id=a["call_id"], tool=a["name"],
+            arguments=a["arguments"], at=now, expires_at=now + self.approval_expiry_seconds) for a in record.approvals]
+        statements += [runs.decided_call_statement(state.run_id, call_id, status=outcome.status, result=outcome.output,
+                                                   duration_ms=outcome.duration_ms)
+                       for call_id, outcome in record.decided]
+        statements += [runs.event_statement(state.run_id, step=e.step, state=e.state, data=e.data, at=e.created_at)
+                       for e in record.events]
+        statements += runs.progress_statements(runs.RunProgress(
+            run_id=state.run_id, status=state.status, trajectory_status=_TRAJECTORY_STATUS[state.status],
+            termination_reason=state.termination_reason, steps=state.budget.steps, state=state.to_dict(),
+            result=state.harness(), at=now))
         await self.store.write(WriteOp(records=records, statements=statements))

@@ -10,7 +10,6 @@ from typing import Any
 import orjson
 import structlog
 
-from gateway.agent import approvals
 from gateway.agent.limits import Limits
 from gateway.agent.loop import AgentLoop, Event, Profile, RunState
 from gateway.agent.recording import StoreRecorder
@@ -19,7 +18,9 @@ from gateway.backends.base import Backend
 from gateway.config import ConfigError, ProfileSettings
 from gateway.errors import APIError, model_not_found
 from gateway.keyed_lock import KeyedLock
-from replay.store import TrajectoryStore, new_id
+from replay import approvals, runs
+from replay.records import new_id
+from replay.store import TrajectoryStore
 from tools.context import ToolContext
 from tools.registry import ToolRegistry
 from tools.toolbox import Toolbox
@@ -98,7 +99,7 @@ class AgentService:
     async def load(self, run_id: str) -> tuple[AgentLoop, StoreRecorder] | None:
         """The run the store holds, ready to go on in the background (it may pause for approval again); None when
         there is none, or its profile is no longer configured."""
-        row = await self.store.agent_run(run_id)
+        row = await runs.get(self.store, run_id)
         if row is None or not row["state"]:
             return None
         profile = self.profiles.get(row["profile"])
@@ -166,7 +167,7 @@ class AgentService:
         return await loop.run()
 
     async def get(self, run_id: str, principal: Principal) -> dict[str, Any] | None:
-        row = await self.store.agent_run(run_id)
+        row = await runs.get(self.store, run_id)
         if row is None or (not principal.admin and row["tenant"] != principal.tenant):
             return None
         state = orjson.loads(row["state"]) if row["state"] else {}
@@ -179,5 +180,5 @@ class AgentService:
 
     async def interrupt_unfinished(self) -> int:
         """After a restart: runs that were mid-flight cannot continue on their own."""
-        return await self.store.mark_runs(from_status="running", to_status="interrupted", at=time.time())
+        return await runs.mark(self.store, from_status="running", to_status="interrupted", at=time.time())
 

@@ -12,10 +12,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.adapters.registry import AdapterVersion, RegistryError
 from gateway.adapters.service import AdapterService
 from gateway.api.common import json_response, parse_json, read_body, read_json_body
 from gateway.errors import APIError
+from replay.adapters import AdapterVersion, RegistryError
 
 ARCHIVE_TYPES = ("application/x-tar", "application/gzip", "application/x-gzip", "application/octet-stream")
 _JSON_LIMIT = 1 << 20

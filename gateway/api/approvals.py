@@ -7,9 +7,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.agent import approvals
 from gateway.api.common import json_response, parse_json, read_body
 from gateway.errors import APIError
+from replay import approvals
 
 STATUSES = ("pending", "approved", "denied", "expired")
 _DECISION_LIMIT = 16 * 1024

@@ -23,7 +23,7 @@ from gateway.errors import APIError
 from gateway.protocol.chat import ChatCompletionRequest, ChunkAccumulator
 from gateway.routing import Target
 from replay import hashing
-from replay.store import CallRecord, TrajectoryRef, WriteOp, new_id
+from replay.records import CallRecord, TrajectoryRef, WriteOp, new_id
 
 log = structlog.get_logger()
 

@@ -34,7 +34,9 @@ from gateway.protocol.responses import (
 )
 from gateway.protocol.sse import encode_named_event
 from gateway.streaming import EventStreamResponse
-from replay.store import TrajectoryStore, WriteOp, new_id
+from replay import stored_responses
+from replay.records import WriteOp, new_id
+from replay.store import TrajectoryStore
 
 
 def _frames(events: list[dict[str, Any]]) -> bytes:
@@ -56,7 +58,7 @@ class _Kept:
     def _statement(self, response: dict[str, Any], trajectory_id: str | None) -> tuple[str, tuple[Any, ...]]:
         # The history a continuation starts from: without this request's instructions, which do not carry over.
         messages = conversation_messages(self.chat_body, self.body) + output_to_chat_messages(response, self.tool_map)
-        return TrajectoryStore.response_statement(response, trajectory_id=trajectory_id,
+        return stored_responses.statement(response, trajectory_id=trajectory_id,
                                                   tenant=self.principal.tenant, messages=messages)
 
     def statements(self, response: dict[str, Any]) -> list[tuple[str, tuple[Any, ...]]]:
@@ -78,7 +80,8 @@ async def create_response(request: Request) -> Response:
     history = None
     previous = body.get("previous_response_id")
     if previous:
-        found = await gateway.store.get_response(previous, tenant=principal.tenant, all_tenants=principal.admin)
+        found = await stored_responses.get(gateway.store, previous, tenant=principal.tenant,
+                                           all_tenants=principal.admin)
         if found is None:
             raise APIError(404, f"Previous response with id '{previous}' not found.", param="previous_response_id",
                            code="previous_response_not_found")
@@ -191,7 +194,7 @@ async def get_response(request: Request) -> Response:
     gateway = request.app.state.gateway
     principal = await gateway.auth.authenticate(request.headers)
     response_id = request.path_params["response_id"]
-    found = await gateway.store.get_response(response_id, tenant=principal.tenant, all_tenants=principal.admin)
+    found = await stored_responses.get(gateway.store, response_id, tenant=principal.tenant, all_tenants=principal.admin)
     if found is None:
         raise APIError(404, f"Response with id '{response_id}' not found.", code="not_found")
     return json_response(found["body"])

@@ -10,6 +10,7 @@ from starlette.responses import Response
 
 from gateway.api.common import json_response, read_json_body
 from gateway.errors import APIError
+from replay import feedback as feedback_log
 
 FEEDBACK_FIELDS = {"rating", "score", "label", "comment", "model_call_seq"}
 FEEDBACK_LIMIT = 64 * 1024
@@ -28,7 +29,7 @@ async def list_own(request: Request) -> Response:
     rows = await gateway.store.list_trajectories(
         tenant=principal.tenant, all_tenants=principal.admin, limit=_limit(request),
         before=request.query_params.get("before"))
-    return json_response({"object": "list", "data": rows})
+    return json_response({"object": "list", "data": [t.summary() for t in rows]})
 
 
 async def show_own(request: Request) -> Response:
@@ -42,7 +43,7 @@ async def list_all(request: Request) -> Response:
     await gateway.auth.require_admin(request.headers)
     rows = await gateway.store.list_trajectories(all_tenants=True, limit=_limit(request),
                                                  before=request.query_params.get("before"))
-    return json_response({"object": "list", "data": rows})
+    return json_response({"object": "list", "data": [t.summary() for t in rows]})
 
 
 async def show_any(request: Request) -> Response:
@@ -56,7 +57,7 @@ async def _show(request: Request, *, tenant: str | None, all_tenants: bool) -> R
     found = await request.app.state.gateway.store.get_trajectory(tid, tenant=tenant, all_tenants=all_tenants)
     if found is None:
         raise APIError(404, f"No trajectory '{tid}'.", code="not_found")
-    return json_response(found)
+    return json_response(found.to_dict())
 
 
 async def feedback(request: Request) -> Response:
@@ -71,7 +72,7 @@ async def feedback(request: Request) -> Response:
     # Another tenant's trajectory is as absent as one that never was.
     if await gateway.store.get_trajectory(tid, tenant=principal.tenant, all_tenants=principal.admin) is None:
         raise APIError(404, f"No trajectory '{tid}'.", code="not_found")
-    await gateway.store.add_feedback(tid, source="user", **row)
+    await feedback_log.add(gateway.store, tid, source="user", **row)
     return json_response({"object": "trajectory.feedback", "trajectory_id": tid, "source": "user", **row}, 201)
 
 

@@ -24,11 +24,12 @@ from gateway.agent.loop import USER_TURN, Event, RunState, StepRecord
 from gateway.agent.recording import StoreRecorder
 from gateway.agent.service import AgentService
 from gateway.auth import Principal
-from gateway.bot import messages
 from gateway.bot.platform import DeliveryError, Incoming, Platform
 from gateway.config import BotSettings
 from gateway.errors import APIError
 from gateway.keyed_lock import KeyedLock
+from replay import bot_messages, feedback
+from replay.records import Statement
 from replay.store import TrajectoryStore
 
 log = structlog.get_logger()
@@ -80,7 +81,10 @@ class BotService:
 
     async def accept(self, incoming: Incoming) -> dict[str, Any] | None:
         """Store a message before anything else happens to it; None for a platform's retry of one already stored."""
-        return await messages.add(self.store, incoming)
+        return await bot_messages.add(
+            self.store, platform=incoming.platform, external_id=incoming.external_id,
+            conversation_id=incoming.conversation_id, user_id=incoming.user_id, text=incoming.text,
+            callback_url=incoming.callback_url)
 
     def answer(self, message: dict[str, Any]) -> asyncio.Task[dict[str, Any]]:
         """Run the message's turn in the background; the task ends with the message row, answered or waiting for
@@ -99,7 +103,8 @@ class BotService:
         platform = self.platforms[message["platform"]]
         try:
             async with self.conversations.hold(f"{message['platform']}\x00{message['conversation_id']}"):
-                run_id = await messages.conversation_run(self.store, message["platform"], message["conversation_id"])
+                run_id = await bot_messages.conversation_run(self.store, message["platform"],
+                                                             message["conversation_id"])
                 if run_id is None:
                     return await self._first_turn(message, platform.profile)
                 async with self.agents.runs.hold(run_id):
@@ -109,7 +114,7 @@ class BotService:
                     loop, recorder = loaded
                     if loop.state.status == "pending_approval":
                         calls = ", ".join(held["name"] for held in loop.state.pending)
-                        return await messages.set_outcome(self.store, message["id"], status=messages.ANSWERED,
+                        return await bot_messages.set_outcome(self.store, message["id"], status=bot_messages.ANSWERED,
                                                           reply=WAITING.format(calls=calls),
                                                           harness=loop.state.harness())
                     loop.state.add_user_turn(message["text"])
@@ -117,7 +122,7 @@ class BotService:
                     return await self._answered(message["id"], await loop.run())
         except Exception:
             log.exception("bot.turn_failed", message_id=message["id"])
-            return await messages.set_outcome(self.store, message["id"], status=messages.ANSWERED, reply=SORRY)
+            return await bot_messages.set_outcome(self.store, message["id"], status=bot_messages.ANSWERED, reply=SORRY)
 
     async def _first_turn(self, message: dict[str, Any], profile: str) -> dict[str, Any]:
         """A new conversation: a new run, and the conversation pointing at it, committed with the first turn."""
@@ -129,30 +134,31 @@ class BotService:
         async with self.agents.runs.hold(run_id):
             await recorder.start(loop.state)
             await self._record_turn(recorder, loop.state, message,
-                                    also=[messages.conversation_statement(message, run_id)])
+                                    also=[bot_messages.conversation_statement(message, run_id)])
             return await self._answered(message["id"], await loop.run())
 
     @staticmethod
     async def _record_turn(recorder: StoreRecorder, state: RunState, message: dict[str, Any],
-                           also: list[messages.Statement] | None = None) -> None:
+                           also: list[Statement] | None = None) -> None:
         """The user turn joins the run and the message becomes ``running`` in one commit: after a crash the
         message is either still queued (and runs again) or already in the run (which resumes)."""
         step = state.budget.steps
         record = StepRecord(step=step, events=[Event(step, USER_TURN, {"message_id": message["id"]})])
-        await recorder.step(state, record, also=[messages.running_statement(message["id"], state.run_id),
+        await recorder.step(state, record, also=[bot_messages.running_statement(message["id"], state.run_id),
                                                  *(also or [])])
 
     async def _answered(self, message_id: str, state: RunState) -> dict[str, Any]:
         if state.status == "pending_approval":
-            return await messages.set_outcome(self.store, message_id, status=messages.PENDING_APPROVAL,
+            return await bot_messages.set_outcome(self.store, message_id, status=bot_messages.PENDING_APPROVAL,
                                               harness=state.harness())
         reply = state.final or (STOPPED.format(reason=state.termination_reason) if state.termination_reason else SORRY)
-        return await messages.set_outcome(self.store, message_id, status=messages.ANSWERED, reply=reply,
+        return await bot_messages.set_outcome(self.store, message_id, status=bot_messages.ANSWERED, reply=reply,
                                           harness=state.harness(), model_call_seq=max(0, state.model_calls - 1))
 
     async def _resumed(self, state: RunState) -> None:
         """A run went on after approval (or after a restart): its waiting messages get their replies."""
-        for row in await messages.of_run(self.store, state.run_id, (messages.RUNNING, messages.PENDING_APPROVAL)):
+        for row in await bot_messages.of_run(self.store, state.run_id,
+                                             (bot_messages.RUNNING, bot_messages.PENDING_APPROVAL)):
             await self.deliver(await self._answered(row["id"], state))
 
     # -- replies out --------------------------------------------------------------------------------
@@ -161,7 +167,7 @@ class BotService:
         """Send an answered message's reply through its platform, retrying with backoff; then mark it delivered
         (or failed, with the last error). A reply with nowhere to go stays answered, to be polled."""
         platform = self.platforms.get(row["platform"])
-        if row["status"] != messages.ANSWERED or platform is None or not platform.enabled:
+        if row["status"] != bot_messages.ANSWERED or platform is None or not platform.enabled:
             return
         attempts = 0
         retrying = AsyncRetrying(stop=stop_after_attempt(self.settings.callback_attempts),
@@ -176,25 +182,25 @@ class BotService:
         except DeliveryError as exc:
             log.warning("bot.delivery_failed", message_id=row["id"], platform=row["platform"], attempts=attempts,
                         error=str(exc))
-            await messages.set_delivery(self.store, row["id"], delivered=False, attempts=attempts, error=str(exc))
+            await bot_messages.set_delivery(self.store, row["id"], delivered=False, attempts=attempts, error=str(exc))
             return
         if sent:
             log.info("bot.delivered", message_id=row["id"], platform=row["platform"], attempts=attempts)
-            await messages.set_delivery(self.store, row["id"], delivered=True, attempts=attempts, error=None)
+            await bot_messages.set_delivery(self.store, row["id"], delivered=True, attempts=attempts, error=None)
 
     async def mark_delivered(self, row: dict[str, Any]) -> dict[str, Any]:
         """The reply went back another way: in the response to the request itself, or to a poll."""
-        return await messages.set_delivery(self.store, row["id"], delivered=True, attempts=1, error=None)
+        return await bot_messages.set_delivery(self.store, row["id"], delivered=True, attempts=1, error=None)
 
     # -- feedback ------------------------------------------------------------------------------------
 
     async def react(self, message_id: str, row: dict[str, Any]) -> dict[str, Any]:
         """A user's reaction to a reply, as feedback on the conversation's trajectory at the reply's model call."""
-        message = await messages.get(self.store, message_id)
+        message = await bot_messages.get(self.store, message_id)
         if message is None or message["trajectory_id"] is None or message["model_call_seq"] is None:
             raise APIError(404, f"No answered bot message '{message_id}'.", code="not_found")
         row = {**row, "model_call_seq": message["model_call_seq"]}
-        await self.store.add_feedback(message["trajectory_id"], source="user", **row)
+        await feedback.add(self.store, message["trajectory_id"], source="user", **row)
         return {"object": "trajectory.feedback", "trajectory_id": message["trajectory_id"], "source": "user",
                 "message_id": message_id, **row}
 
@@ -202,15 +208,15 @@ class BotService:
 
     async def recover(self) -> None:
         """Carry on what a stop cut short: queued messages run, interrupted turns resume, undelivered replies go."""
-        rows = await messages.with_status(self.store, (messages.QUEUED, messages.RUNNING, messages.PENDING_APPROVAL,
-                                                       messages.ANSWERED))
+        rows = await bot_messages.with_status(self.store, (bot_messages.QUEUED, bot_messages.RUNNING,
+                                                           bot_messages.PENDING_APPROVAL, bot_messages.ANSWERED))
         for row in rows:
             platform = self.platforms.get(row["platform"])
             if platform is None or not platform.enabled:
                 continue
-            if row["status"] == messages.QUEUED:
+            if row["status"] == bot_messages.QUEUED:
                 self.reply_later(self.answer(row))
-            elif row["status"] in (messages.RUNNING, messages.PENDING_APPROVAL):
+            elif row["status"] in (bot_messages.RUNNING, bot_messages.PENDING_APPROVAL):
                 # Also a paused turn: the stop may have cut short the run it was resumed into after approval.
                 self.spawn(self._recover_running(row), cancel_on_stop=True)
             else:

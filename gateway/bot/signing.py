@@ -3,7 +3,7 @@
 A request carries ``X-Harness-Timestamp`` (unix seconds), ``X-Harness-Nonce`` and ``X-Harness-Signature``: the hex
 HMAC-SHA256, keyed with the bot's shared secret, of ``timestamp + "." + nonce + "." + raw body``. ``verify`` checks
 the signature (in constant time) and that the timestamp lies within the window; whether the nonce was seen before
-is the store's to say (``TrajectoryStore.claim_nonce``), so a restart does not reopen it. Callbacks are signed the
+is the store's to say (``replay.keys.claim_nonce``), so a restart does not reopen it. Callbacks are signed the
 same way (``signed_headers``).
 """
 

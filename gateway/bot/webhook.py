@@ -22,12 +22,12 @@ from starlette.routing import BaseRoute, Route
 
 from gateway.api.common import json_response, parse_json, read_body
 from gateway.api.trajectories import feedback_row
-from gateway.bot import messages
 from gateway.bot.platform import DeliveryError, Incoming
 from gateway.bot.service import BotService
 from gateway.bot.signing import SignatureError, signed_headers, verify
 from gateway.config import BotSettings
 from gateway.errors import APIError
+from replay import bot_messages, keys
 from tools.net import guarded_client
 from tools.spec import ToolError
 from tools.ssrf import SSRFGuard
@@ -74,7 +74,7 @@ class WebhookPlatform:
         except SignatureError as exc:
             raise APIError(401, str(exc), code="invalid_signature") from None
         # Kept twice the window: a timestamp accepted now cannot be accepted once its nonce is forgotten.
-        if not await self.bot.store.claim_nonce(signed.nonce, now=now,
+        if not await keys.claim_nonce(self.bot.store, signed.nonce, now=now,
                                                 keep_seconds=2 * self.settings.signature_window_seconds):
             raise APIError(401, "This nonce was already used; every request needs a new one.", code="replayed_nonce")
         return raw
@@ -91,13 +91,13 @@ class WebhookPlatform:
         request.scope["state"]["log"].update(bot_message=message["id"], conversation_id=incoming.conversation_id)
         turn = self.bot.answer(message)
         done, _ = await asyncio.wait({turn}, timeout=self.settings.sync_timeout_seconds)
-        if turn in done and turn.result()["status"] == messages.ANSWERED:
-            return json_response(messages.view(await self.bot.mark_delivered(turn.result())))
+        if turn in done and turn.result()["status"] == bot_messages.ANSWERED:
+            return json_response(bot_messages.view(await self.bot.mark_delivered(turn.result())))
         self.bot.reply_later(turn)
-        row = turn.result() if turn in done else await messages.get(self.bot.store, message["id"]) or message
-        view = messages.view(row)
+        row = turn.result() if turn in done else await bot_messages.get(self.bot.store, message["id"]) or message
+        view = bot_messages.view(row)
         # Waiting behind another turn: the run it will join is the conversation's (none yet for a new one).
-        view["run_id"] = view["run_id"] or await messages.conversation_run(self.bot.store, NAME,
+        view["run_id"] = view["run_id"] or await bot_messages.conversation_run(self.bot.store, NAME,
                                                                            incoming.conversation_id)
         return json_response({**view, "poll": f"/bot/v1/messages/{message['id']}"}, status=202)
 
@@ -127,12 +127,12 @@ class WebhookPlatform:
 
     async def get_message(self, request: Request) -> Response:
         await self._signed(request)
-        row = await messages.get(self.bot.store, request.path_params["message_id"])
+        row = await bot_messages.get(self.bot.store, request.path_params["message_id"])
         if row is None or row["platform"] != NAME:
             raise APIError(404, f"No bot message '{request.path_params['message_id']}'.", code="not_found")
-        if row["status"] == messages.ANSWERED and not row["callback_url"]:
+        if row["status"] == bot_messages.ANSWERED and not row["callback_url"]:
             row = await self.bot.mark_delivered(row)  # polling was its way out
-        return json_response(messages.view(row))
+        return json_response(bot_messages.view(row))
 
     async def react(self, request: Request) -> Response:
         """``{"message_id", "rating": "up"|"down"}`` (or a ``score``, ``label``, ``comment``) on a reply."""
@@ -148,7 +148,7 @@ class WebhookPlatform:
     async def deliver(self, message: dict[str, Any]) -> bool:
         if not message["callback_url"] or self.secret is None:
             return False
-        payload = orjson.dumps({**messages.view(message), "status": messages.DELIVERED})
+        payload = orjson.dumps({**bot_messages.view(message), "status": bot_messages.DELIVERED})
         headers = {"Content-Type": "application/json", **signed_headers(self.secret, payload, time.time())}
         try:
             response = await self._http().post(message["callback_url"], content=payload, headers=headers)

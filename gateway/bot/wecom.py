@@ -24,11 +24,12 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.api.common import read_body
-from gateway.bot import messages, wecom_crypto
+from gateway.bot import wecom_crypto
 from gateway.bot.platform import DeliveryError, Incoming
 from gateway.bot.service import BotService
 from gateway.config import ConfigError, WeComSettings
 from gateway.errors import APIError
+from replay import bot_messages
 from tools.spec import ToolError
 
 log = structlog.get_logger()
@@ -142,7 +143,7 @@ class WeComPlatform:
             return Response(b"")  # nothing to answer
         msg_id = message.get("MsgId")
         # A retry is dropped before the rate limit sees it: WeCom's resending is not the user's.
-        if msg_id and await messages.seen(self.bot.store, NAME, msg_id):
+        if msg_id and await bot_messages.seen(self.bot.store, NAME, msg_id):
             log.info("wecom.retry_dropped", msg_id=msg_id)
             return Response(b"")
         limited = self.bot.rate_limited(NAME, user)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from gateway.app import Gateway
 from gateway.config import Settings, load_settings
-from replay import hashing
-from replay.store import CallRecord
+from replay import hashing, runs
+from replay.records import CallRecord
 
 
 def _settings(tmp_path: Path, store_extra: str = "") -> Settings:
@@ -39,8 +39,8 @@ async def test_retention_sweeps_old_trajectories_at_start(tmp_path: Path) -> Non
                 break
             await asyncio.sleep(0.02)
         assert len(remaining) == 1
-        found = await gateway.store.get_trajectory(remaining[0]["id"], all_tenants=True)
-        assert found["calls"][0]["request"]["messages"] == [{"role": "user", "content": "fresh"}]
+        found = await gateway.store.get_trajectory(remaining[0].id, all_tenants=True)
+        assert found.calls[0].messages == [{"role": "user", "content": "fresh"}]
     finally:
         await gateway.stop()
 
@@ -59,9 +59,9 @@ async def test_runs_left_running_are_marked_interrupted_at_start(tmp_path: Path)
     gateway = Gateway(settings)
     await gateway.start()
     try:
-        run = await gateway.store.agent_run("left-running")
+        run = await runs.get(gateway.store, "left-running")
         assert run["status"] == "interrupted"
         trajectory = await gateway.store.get_trajectory("left-running", all_tenants=True)
-        assert trajectory["status"] == "interrupted"
+        assert trajectory.status == "interrupted"
     finally:
         await gateway.stop()

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from replay import keys
 from tests.processes import ROOT, GatewayProcess, upstream_config
 
 pytestmark = pytest.mark.integration
@@ -188,8 +189,8 @@ async def test_open_mode_is_loopback_only_and_ends_with_the_first_key(store) -> 
         await Authenticator(store, None, loopback=False, cache_seconds=0).authenticate(no_key)
     assert refused.value.status_code == 401
     auth = Authenticator(store, None, loopback=True, cache_seconds=0)
-    key_id = await store.create_key(tenant="t", name=None, capture=True, secret_hash="h")
-    await store.revoke_key(key_id)
+    key_id = await keys.create(store, tenant="t", name=None, capture=True, secret_hash="h")
+    await keys.revoke(store, key_id)
     with pytest.raises(APIError):
         await auth.authenticate(no_key)
     with pytest.raises(APIError):

@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from gateway.adapters.registry import AdapterVersion
 from gateway.config import CanarySettings, RoutingSettings
 from gateway.errors import APIError
 from gateway.routing import Caller, Router, Snapshot
+from replay.adapters import AdapterVersion
 
 
 def version(name: str, number: int, status: str = "candidate", base: str = "qwen") -> AdapterVersion:

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from replay import hashing
-from replay.store import CallRecord, TrajectoryRef, TrajectoryStore, WriteOp, new_id
+from replay.records import CallRecord, TrajectoryRef, WriteOp, new_id
+from replay.store import TrajectoryStore
 
 SYSTEM = {"role": "system", "content": "You are a careful agent."}
 TOOLS = [{"type": "function", "function": {

@@ -61,7 +61,7 @@ async def agent_store(tmp_path: Path) -> Path:
 
 async def test_one_row_per_call_matches_what_was_stored(agent_store: Path, tmp_path: Path) -> None:
     store = await b.open_store(agent_store)
-    stored = [await store.get_trajectory(t["id"], all_tenants=True)
+    stored = [(await store.get_trajectory(t.id, all_tenants=True)).to_dict()
               for t in reversed(await store.list_trajectories(all_tenants=True))]
     await store.close()
     out = tmp_path / "rows.jsonl"

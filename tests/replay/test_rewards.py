@@ -18,8 +18,10 @@ from gateway.agent.loop import Profile
 from gateway.config import ConfigError, RewardSettings, load_settings
 from harness.replay import with_filters
 from harness.rewards import rewards as rewards_command
-from replay import hashing, vocabulary
+from replay import feedback, hashing, vocabulary
 from replay.filters import Filters
+from replay.model import Feedback
+from replay.records import CallRecord, TrajectoryRef, WriteOp, new_id
 from replay.rewards import (
     ENGINE,
     SUCCESS_UNKNOWN,
@@ -33,7 +35,6 @@ from replay.rewards import (
 from replay.signals import (
     PENALISED_TERMINATIONS,
     SIGNALS,
-    FeedbackView,
     TrajectoryView,
     evidence,
     feedback_outcome,
@@ -42,7 +43,7 @@ from replay.signals import (
     used_in,
 )
 from replay.signals import Target as _Target
-from replay.store import CallRecord, TrajectoryRef, TrajectoryStore, WriteOp, new_id
+from replay.store import TrajectoryStore
 from tests.gateway.agent.conftest import WEATHER, Box, run_agent
 from tests.scripted import call
 
@@ -50,6 +51,11 @@ SYSTEM = {"role": "system", "content": "You are a test agent."}
 TEMPS = {"Paris": 21, "London": 14, "Berlin": 9}
 DEFAULT = RewardSettings()
 FULL = 1.0 + 0.3 + 1.0 + 0.1  # the absolute sum of the default weights
+
+
+async def feedback_rows(store: TrajectoryStore, trajectory_id: str, source: str | None = None) -> list[dict[str, Any]]:
+    t = await store.get_trajectory(trajectory_id, all_tenants=True)
+    return [f.to_dict() for f in (t.feedback if t else []) if source is None or f.source == source]
 
 
 async def city_weather(args: dict[str, Any]) -> dict[str, Any]:
@@ -161,17 +167,17 @@ def view(**kw: Any) -> TrajectoryView:
     ("outcome", None, "Failure", 0.0), ("score", 4.0, None, None), ("note", None, "nice prose", None),
 ])
 def test_feedback_outcomes(name: str, value: float | None, label: str | None, expected: float | None) -> None:
-    assert feedback_outcome(FeedbackView("user", name, value, label)) == expected
+    assert feedback_outcome(Feedback("user", name, value, label)) == expected
 
 
 async def test_verifier_beats_user_and_user_beats_unknown(store: TrajectoryStore) -> None:
     tid = await agent(store, [weather("Paris"), "It is 21 °C in Paris."])
     assert (await scored(store, tid)).signals["task_success"] is None
-    await store.add_feedback(tid, source="user", name="thumbs", label="up")
+    await feedback.add(store, tid, source="user", name="thumbs", label="up")
     assert (await scored(store, tid)).signals["task_success"] == 1.0
-    await store.add_feedback(tid, source="user", name="score", value=0.25)  # the newer user verdict wins
+    await feedback.add(store, tid, source="user", name="score", value=0.25)  # the newer user verdict wins
     assert (await scored(store, tid)).signals["task_success"] == 0.25
-    await store.add_feedback(tid, source="verifier", name="tests", label="failure")
+    await feedback.add(store, tid, source="verifier", name="tests", label="failure")
     result = await scored(store, tid)
     assert result.signals["task_success"] == 0.0 and not result.success_unknown
 
@@ -184,15 +190,15 @@ async def test_unknown_success_renormalises_and_flags(store: TrajectoryStore) ->
     # validity 1, no penalty, efficiency 1 - 1/10: the known weights (0.3, -1, 0.1) scaled to the full 2.4
     expected = (0.3 * 1.0 + 0.1 * 0.9) * FULL / (0.3 + 1.0 + 0.1)
     row = await store.get_trajectory(tid, all_tenants=True)
-    assert row["final_reward"] == pytest.approx(expected)
-    flags = {r["name"]: r for r in await store.feedback_rows(tid, source=ENGINE) if r["model_call_seq"] is None}
+    assert row.final_reward == pytest.approx(expected)
+    flags = {r["name"]: r for r in await feedback_rows(store, tid, source=ENGINE) if r["model_call_seq"] is None}
     assert flags[SUCCESS_UNKNOWN]["value"] == 1.0
     assert flags["task_success"]["value"] is None and flags["task_success"]["label"] == "unknown"
-    await store.add_feedback(tid, source="verifier", name="tests", value=1.0)
+    await feedback.add(store, tid, source="verifier", name="tests", value=1.0)
     await recompute(store, Filters(), DEFAULT)
     row = await store.get_trajectory(tid, all_tenants=True)
-    assert row["final_reward"] == pytest.approx(1.0 + 0.3 + 0.1 * 0.9)
-    flags = {r["name"]: r["value"] for r in await store.feedback_rows(tid, source=ENGINE)
+    assert row.final_reward == pytest.approx(1.0 + 0.3 + 0.1 * 0.9)
+    flags = {r["name"]: r["value"] for r in await feedback_rows(store, tid, source=ENGINE)
              if r["model_call_seq"] is None}
     assert flags[SUCCESS_UNKNOWN] == 0.0 and flags["task_success"] == 1.0
 
@@ -223,7 +229,7 @@ async def test_padding_never_out_scores_the_honest_run(store: TrajectoryStore, p
                      ("get_weather", {"city": "Paris"}))])
     padded = await agent(store, [*script, "It is 21 °C in Paris."])
     for tid in (honest, padded):  # the same outcome
-        await store.add_feedback(tid, source="verifier", name="tests", value=1.0)
+        await feedback.add(store, tid, source="verifier", name="tests", value=1.0)
     h, p = await scored(store, honest), await scored(store, padded)
     assert p.signals["process_validity"] == pytest.approx(1 / 3)  # three valid calls, one result used
     assert h.signals["process_validity"] == 1.0
@@ -278,11 +284,11 @@ async def test_invalid_call_penalty_and_per_step_rows(store: TrajectoryStore) ->
     assert result.signals["illegal_action_penalty"] == pytest.approx(1 / 3)  # one bad step of three
     assert result.signals["process_validity"] == pytest.approx(0.5)
     await recompute(store, Filters(), DEFAULT)
-    rows = await store.feedback_rows(tid, source=ENGINE)
+    rows = await feedback_rows(store, tid, source=ENGINE)
     per_step = {(r["name"], r["model_call_seq"]): r["value"] for r in rows if r["model_call_seq"] is not None}
     assert per_step == {("process_validity", 0): 0.0, ("process_validity", 1): 1.0,
                         ("illegal_action_penalty", 0): 1.0, ("illegal_action_penalty", 1): 0.0}
-    steps = {r["step"] for r in await store.tool_call_rows(tid)}
+    steps = {c.step for c in (await store.get_trajectory(tid, all_tenants=True)).tool_calls}
     assert steps == {0, 1}
 
 
@@ -297,7 +303,7 @@ async def test_per_step_rows_name_the_model_call_seq_past_a_summary(store: Traje
     tid = await t.finish()
     assert (ignored, bad, last) == (2, 3, 4)
     await recompute(store, Filters(), DEFAULT)
-    rows = await store.feedback_rows(tid, source=ENGINE)
+    rows = await feedback_rows(store, tid, source=ENGINE)
     validity = {r["model_call_seq"]: r["value"] for r in rows if r["name"] == "process_validity"}
     illegal = {r["model_call_seq"]: r["value"] for r in rows if r["name"] == "illegal_action_penalty"}
     assert validity == {None: pytest.approx(2 / 3 * 1 / 2), 0: 1.0, 2: 0.0, 3: 0.0}
@@ -349,21 +355,21 @@ async def test_efficiency_scales_by_the_profiles_step_limit(store: TrajectorySto
 
 async def _engine_rows(store: TrajectoryStore, tid: str) -> list[tuple]:
     return sorted((r["name"], r["model_call_seq"] if r["model_call_seq"] is not None else -1, r["value"],
-                   r["label"], r["comment"]) for r in await store.feedback_rows(tid, source=ENGINE))
+                   r["label"], r["comment"]) for r in await feedback_rows(store, tid, source=ENGINE))
 
 
 async def test_recompute_is_idempotent_and_deterministic(store: TrajectoryStore) -> None:
     a = await agent(store, [weather("London"), weather("Paris"), "It is 21 °C in Paris."])
     b = await agent(store, [call("get_weather", {"town": "Paris"}), "No idea."])
-    await store.add_feedback(a, source="user", name="thumbs", label="up")
+    await feedback.add(store, a, source="user", name="thumbs", label="up")
     first = await recompute(store, Filters(), DEFAULT)
     rows = {t: await _engine_rows(store, t) for t in (a, b)}
-    rewards = {t: (await store.get_trajectory(t, all_tenants=True))["final_reward"] for t in (a, b)}
+    rewards = {t: (await store.get_trajectory(t, all_tenants=True)).final_reward for t in (a, b)}
     second = await recompute(store, Filters(), DEFAULT)
     assert second == first
     assert {t: await _engine_rows(store, t) for t in (a, b)} == rows  # replaced, not added to
-    assert {t: (await store.get_trajectory(t, all_tenants=True))["final_reward"] for t in (a, b)} == rewards
-    assert [r["label"] for r in await store.feedback_rows(a, source="user")] == ["up"]  # others' rows stay
+    assert {t: (await store.get_trajectory(t, all_tenants=True)).final_reward for t in (a, b)} == rewards
+    assert [r["label"] for r in await feedback_rows(store, a, source="user")] == ["up"]  # others' rows stay
     assert first.count == 2 and first.unknown_success == 1
     assert first.mean_reward == pytest.approx(sum(rewards.values()) / 2)
 
@@ -377,16 +383,16 @@ async def test_filters_select_and_in_flight_runs_are_skipped(store: TrajectorySt
     await running.finish("running")
     summary = await recompute(store, Filters(source="proxy"), DEFAULT)
     assert summary.count == 1
-    assert (await store.get_trajectory(done, all_tenants=True))["final_reward"] is None
+    assert (await store.get_trajectory(done, all_tenants=True)).final_reward is None
     summary = await recompute(store, Filters(), DEFAULT)
     assert (summary.count, summary.skipped) == (2, 1)
-    assert await store.feedback_rows(running.id) == []
+    assert await feedback_rows(store, running.id) == []
     assert (await recompute(store, Filters(source="nobody"), DEFAULT)).count == 0
 
 
 async def test_custom_signal_is_picked_up_with_its_weight(store: TrajectoryStore) -> None:
     tid = await agent(store, [weather("Paris"), "It is 21 °C in Paris."])
-    await store.add_feedback(tid, source="verifier", name="tests", value=1.0)
+    await feedback.add(store, tid, source="verifier", name="tests", value=1.0)
 
     @register_signal("names_the_city")
     class NamesTheCity:
@@ -398,13 +404,13 @@ async def test_custom_signal_is_picked_up_with_its_weight(store: TrajectoryStore
         assert signal_weights(settings)["names_the_city"] == 0.5
         await recompute(store, Filters(), settings)
         row = await store.get_trajectory(tid, all_tenants=True)
-        assert row["final_reward"] == pytest.approx(1.0 + 0.3 + 0.1 * 0.9 + 0.5)
-        stored = {r["name"]: r for r in await store.feedback_rows(tid, source=ENGINE)}
+        assert row.final_reward == pytest.approx(1.0 + 0.3 + 0.1 * 0.9 + 0.5)
+        stored = {r["name"]: r for r in await feedback_rows(store, tid, source=ENGINE)}
         assert stored["names_the_city"]["value"] == 1.0 and stored["names_the_city"]["comment"] == "weight 0.5"
         # registered but not weighted: stored, not summed
         await recompute(store, Filters(), DEFAULT)
-        assert (await store.get_trajectory(tid, all_tenants=True))["final_reward"] == pytest.approx(1.39)
-        assert {r["name"] for r in await store.feedback_rows(tid, source=ENGINE)} >= {"names_the_city"}
+        assert (await store.get_trajectory(tid, all_tenants=True)).final_reward == pytest.approx(1.39)
+        assert {r["name"] for r in await feedback_rows(store, tid, source=ENGINE)} >= {"names_the_city"}
     finally:
         unregister_signal("names_the_city")
     with pytest.raises(RewardError, match="not registered: names_the_city"):
@@ -463,7 +469,7 @@ def test_cli_scores_and_summarises(tmp_path: Path) -> None:
             await agent(s, [weather("Paris"), "It is 21 °C in Paris."])
             t = Traj(s, source="proxy")
             await t.answer("Hello.")
-            await s.add_feedback(t.id, source="user", name="thumbs", label="down")
+            await feedback.add(s, t.id, source="user", name="thumbs", label="down")
         finally:
             await s.close()
 

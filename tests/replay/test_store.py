@@ -5,9 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from replay import hashing
+from replay import hashing, keys
+from replay.records import CallRecord
 from replay.schema import MIGRATIONS, SCHEMA_VERSION, migrate
-from replay.store import CallRecord, TrajectoryStore
+from replay.store import TrajectoryStore
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 
@@ -48,8 +49,8 @@ async def test_resent_history_extends_and_edit_forks(tmp_path: Path) -> None:
     # `something else` extends the first call's conversation too, but the trajectory has moved on: fork.
     assert t3 != t1
     row = await store.get_trajectory(t3, all_tenants=True)
-    assert row["parent_id"] == t1
-    whole = await store.get_trajectory(t1, all_tenants=True)
+    assert row.parent_id == t1
+    whole = (await store.get_trajectory(t1, all_tenants=True)).to_dict()
     assert whole["n_calls"] == 2 and whole["status"] == "completed"
     assert [c["seq"] for c in whole["calls"]] == [0, 1]
     assert whole["calls"][1]["request"]["messages"] == history
@@ -80,7 +81,7 @@ async def test_session_key_wins_and_forks_on_divergence(tmp_path: Path) -> None:
     # A compaction rewrote the history: same session, new trajectory that records its parent.
     c = await _call(store, [{"role": "user", "content": "summary of one and two"}], "ok", session="s1")
     assert c != a
-    assert (await store.get_trajectory(c, all_tenants=True))["parent_id"] == a
+    assert (await store.get_trajectory(c, all_tenants=True)).parent_id == a
     # Tenants never share trajectories.
     d = await _call(store, [{"role": "user", "content": "one"}], "1", session="s1", tenant="other")
     assert d not in (a, c)
@@ -133,7 +134,7 @@ async def test_tenant_scoping(tmp_path: Path) -> None:
     mine = await _call(store, [{"role": "user", "content": "x"}], "a", tenant="acme")
     assert await store.get_trajectory(mine, tenant="acme") is not None
     assert await store.get_trajectory(mine, tenant="globex") is None
-    assert [t["id"] for t in await store.list_trajectories(tenant="acme")] == [mine]
+    assert [t.id for t in await store.list_trajectories(tenant="acme")] == [mine]
     assert await store.list_trajectories(tenant="globex") == []
     await store.close()
 
@@ -159,10 +160,10 @@ async def test_a_store_that_ever_had_a_key_remembers_it(tmp_path: Path) -> None:
     old.close()
     for path, expected in ((tmp_path / "old.db", True), (tmp_path / "new.db", False)):
         store = await _open(path)
-        assert await store.keys_ever_created() is expected
+        assert await keys.ever_created(store) is expected
         if not expected:
-            await store.revoke_key(await store.create_key(tenant="t", name=None, capture=True, secret_hash="x"))
-            assert await store.keys_ever_created()
+            await keys.revoke(store, await keys.create(store, tenant="t", name=None, capture=True, secret_hash="x"))
+            assert await keys.ever_created(store)
         await store.close()
 
 
@@ -176,14 +177,14 @@ async def test_n_choices_form_a_group_of_trajectories(tmp_path: Path) -> None:
                            for i in range(3)]
     await store.record(CallRecord(trajectory=ref, request_messages=messages, request_prefix=prefix, status="ok",
                                   response=response, completion_token_ids=[[1], [2, 2], [3, 3, 3]]))
-    rows = await store.list_trajectories(all_tenants=True)
+    rows = [t.summary() for t in await store.list_trajectories(all_tenants=True)]
     assert len(rows) == 3
     assert len({r["group_id"] for r in rows}) == 1 and rows[0]["group_id"]
     assert sorted(r["completion_tokens"] for r in rows) == [1, 2, 3]
     # continuing the third sample extends its own trajectory
     follow = messages + [{"role": "assistant", "content": "2"}, {"role": "user", "content": "why?"}]
     tid = await _call(store, follow, "because")
-    third = await store.get_trajectory(tid, all_tenants=True)
+    third = (await store.get_trajectory(tid, all_tenants=True)).to_dict()
     assert third["n_calls"] == 2 and third["group_id"] == rows[0]["group_id"]
     assert third["calls"][0]["completion_token_ids"] == [[3, 3, 3]]
     assert tid != ref.id
@@ -194,27 +195,27 @@ async def test_a_nonce_is_claimed_once_even_across_a_restart(tmp_path: Path) -> 
     path = str(tmp_path / "nonces.db")
     store = TrajectoryStore(path)
     await store.start()
-    assert await store.claim_nonce("n1", now=1000.0, keep_seconds=600) is True
-    assert await store.claim_nonce("n1", now=1001.0, keep_seconds=600) is False
-    assert await store.claim_nonce("n2", now=1001.0, keep_seconds=600) is True
+    assert await keys.claim_nonce(store, "n1", now=1000.0, keep_seconds=600) is True
+    assert await keys.claim_nonce(store, "n1", now=1001.0, keep_seconds=600) is False
+    assert await keys.claim_nonce(store, "n2", now=1001.0, keep_seconds=600) is True
     await store.close()
 
     reopened = TrajectoryStore(path)
     await reopened.start()
     try:
-        assert await reopened.claim_nonce("n1", now=1200.0, keep_seconds=600) is False  # still a replay
+        assert await keys.claim_nonce(reopened, "n1", now=1200.0, keep_seconds=600) is False  # still a replay
         # Past the keep window the nonce is forgotten: its timestamp could no longer pass the signature window.
-        assert await reopened.claim_nonce("n1", now=1700.0, keep_seconds=600) is True
+        assert await keys.claim_nonce(reopened, "n1", now=1700.0, keep_seconds=600) is True
     finally:
         await reopened.close()
 
 
 async def test_a_statement_cancelled_half_way_still_commits_and_never_locks_later_writes(store) -> None:
-    from replay.store import WriteOp
+    from replay.records import WriteOp
 
     for _ in range(20):  # cancel at whichever await the statement happens to be in
-        task = asyncio.create_task(store.execute("INSERT INTO bot_nonces(nonce, seen_at) VALUES (?, 1)",
-                                                 (f"n{_}",)))
+        task = asyncio.create_task(store._change([("INSERT INTO bot_nonces(nonce, seen_at) VALUES (?, 1)",
+                                                    (f"n{_}",))]))
         await asyncio.sleep(0)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

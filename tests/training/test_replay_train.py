@@ -19,10 +19,10 @@ skip_without("train")
 
 from rich.console import Console
 
-from gateway.adapters.registry import AdapterRegistry
 from gateway.app import build_app
 from gateway.backends.local_model import load_tokenizer
 from gateway.config import Settings
+from replay.adapters import AdapterRegistry
 from replay.filters import Filters
 from replay.importer import Conversation, import_conversations
 from replay.store import TrajectoryStore

@@ -18,8 +18,10 @@ import torch
 
 from gateway.backends.local_model import load_model
 from gateway.config import RewardSettings, Settings
+from replay import feedback
+from replay.records import WriteOp
 from replay.rewards import signal_weights
-from replay.store import TrajectoryStore, WriteOp
+from replay.store import TrajectoryStore
 from tests.models import random_lora
 from tests.replay import builders
 from tests.replay.builders import SYSTEM, TOOLS, answer, assistant_calls, tool_call, tool_result, tool_row
@@ -82,8 +84,8 @@ async def test_groups_from_the_store_count_what_they_cannot_use_and_credit_each_
     no_logprobs = await write(store, good, group="g3")
     partner = await write(store, good, group="g3", logprobs=True)
     await store.write(WriteOp(statements=[
-        store.feedback_statement(solved, source="verifier", name="task_success", value=1.0),
-        store.feedback_statement(failed, source="verifier", name="task_success", value=0.0)]))
+        feedback.statement(solved, source="verifier", name="task_success", value=1.0),
+        feedback.statement(failed, source="verifier", name="task_success", value=0.0)]))
 
     weights = signal_weights(RewardSettings())
     groups, stats = await groups_from_store(store, [solved, failed, other, alone, no_logprobs, partner], weights,

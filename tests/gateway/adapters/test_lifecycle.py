@@ -24,6 +24,7 @@ import pytest
 from gateway.app import build_app
 from gateway.auth import hash_secret
 from gateway.config import Settings
+from replay import keys
 from replay.store import TrajectoryStore
 from tests.standin import ServerThread
 from tests.standins.common import LoRAServerStandIn
@@ -301,9 +302,9 @@ def test_key_defaults_and_the_override_header(kind: str, tmp_path: Path) -> None
     async def make_keys() -> None:
         store = TrajectoryStore(str(tmp_path / "harness.db"))
         await store.start()
-        await store.create_key(tenant="t", name="plain", capture=True, secret_hash=hash_secret("sk-plain"),
+        await keys.create(store, tenant="t", name="plain", capture=True, secret_hash=hash_secret("sk-plain"),
                                default_model=f"{BASE}:sql")
-        await store.create_key(tenant="t", name="override", capture=True, secret_hash=hash_secret("sk-override"),
+        await keys.create(store, tenant="t", name="override", capture=True, secret_hash=hash_secret("sk-override"),
                                allow_model_override=True)
         await store.close()
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from gateway.adapters.manager import AdapterBackend, AdapterManager
-from gateway.adapters.registry import AdapterRegistry
 from gateway.backends.base import AdapterNotLoaded, BackendError, ChatRequest, ChatResult
+from replay.adapters import AdapterRegistry
 
 
 class Host:

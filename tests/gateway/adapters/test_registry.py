@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gateway.adapters import archive
-from gateway.adapters.registry import AdapterRegistry, RegistryError, parse_ref
+from replay.adapters import AdapterRegistry, RegistryError, parse_ref
 
 
 @pytest.fixture

@@ -7,7 +7,8 @@ from typing import Any
 
 from gateway.agent.loop import AgentLoop, Profile, RunState
 from gateway.agent.recording import StoreRecorder
-from replay.store import TrajectoryStore, new_id
+from replay.records import new_id
+from replay.store import TrajectoryStore
 from tests.scripted import ScriptedBackend
 from tools.executor import ToolOutcome
 from tools.spec import ToolSpec

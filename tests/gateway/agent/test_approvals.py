@@ -2,10 +2,10 @@
 
 import sqlite3
 
-from gateway.agent import approvals
 from gateway.agent.context import with_tool_results
 from gateway.agent.loop import APPROVED, EXPIRED, AgentLoop, Profile, RunState
 from gateway.agent.recording import StoreRecorder
+from replay import approvals
 from tests.gateway.agent.conftest import WEATHER, Box, weather
 from tests.gateway.agent.test_loop import _assert_paired
 from tests.scripted import ScriptedBackend, call

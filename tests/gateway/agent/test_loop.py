@@ -42,7 +42,7 @@ async def test_valid_call_then_final_answer(store) -> None:
     assert backend.requests[0]["tools"][0]["function"]["name"] == "get_weather"
     assert backend.requests[1]["messages"][-1]["role"] == "tool"
     rows = await store.get_trajectory(state.run_id, all_tenants=True)
-    assert rows["status"] == "completed" and rows["source"] == "agent" and len(rows["calls"]) == 2
+    assert rows.status == "completed" and rows.source == "agent" and len(rows.calls) == 2
 
 
 async def test_invalid_arguments_then_corrected(store) -> None:
@@ -179,7 +179,7 @@ async def test_backend_error_ends_the_run(store) -> None:
     state, _, _ = await run_agent(store, [call("get_weather", {"city": "Paris"}), BackendUnavailable("gone")])
     assert state.status == "error" and state.termination_reason == "backend_error"
     row = await store.get_trajectory(state.run_id, all_tenants=True)
-    assert row["status"] == "error"
+    assert row.status == "error"
 
 
 class Summarizing(ScriptedBackend):
@@ -211,7 +211,7 @@ async def test_summarization_keeps_calls_with_their_results(store) -> None:
     assert any("The model's own summary" in str(m.get("content")) for m in after)
     # what was sent is what was recorded
     recorded = await store.get_trajectory(state.run_id, all_tenants=True)
-    assert [c["request"]["messages"] for c in recorded["calls"]] == [b["messages"] for b in backend.requests]
+    assert [c.messages for c in recorded.calls] == [b["messages"] for b in backend.requests]
 
 
 async def test_summary_falls_back_to_extractive(store) -> None:

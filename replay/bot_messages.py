@@ -1,4 +1,4 @@
-"""The bot's rows in the store: conversations (each one growing trajectory) and the messages users sent.
+"""The bot's rows: conversations (each one growing trajectory) and the messages users sent.
 
 A message is stored before the platform hears back (so nothing accepted is lost) and moves through
 ``queued`` (stored) → ``running`` (added to its conversation's trajectory, in the same commit) →
@@ -9,17 +9,17 @@ An answered message with nowhere to send the reply stays ``answered`` until it i
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from gateway.bot.platform import Incoming
-from replay.store import TrajectoryStore, new_id
+from replay.records import Statement, new_id
+
+if TYPE_CHECKING:
+    from replay.store import TrajectoryStore
 
 QUEUED, RUNNING, PENDING_APPROVAL, ANSWERED, DELIVERED, FAILED = (
     "queued", "running", "pending_approval", "answered", "delivered", "failed")
-
-Statement = tuple[str, tuple[Any, ...]]
 
 
 def view(row: dict[str, Any]) -> dict[str, Any]:
@@ -30,45 +30,45 @@ def view(row: dict[str, Any]) -> dict[str, Any]:
             "created_at": row["created_at"], "updated_at": row["updated_at"]}
 
 
-async def add(store: TrajectoryStore, incoming: Incoming) -> dict[str, Any] | None:
+async def add(store: TrajectoryStore, *, platform: str, external_id: str | None, conversation_id: str, user_id: str,
+              text: str, callback_url: str | None) -> dict[str, Any] | None:
     """Store a new message as ``queued``; None when the platform already sent one with this external id."""
     now = time.time()
-    added = await store.execute_returning(
+    added = await store._change_returning(
         """INSERT OR IGNORE INTO bot_messages(id, platform, external_id, conversation_id, user_id, text, callback_url,
                status, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING *""",
-        (new_id(), incoming.platform, incoming.external_id, incoming.conversation_id, incoming.user_id,
-         incoming.text, incoming.callback_url, QUEUED, now, now))
+        (new_id(), platform, external_id, conversation_id, user_id, text, callback_url, QUEUED, now, now))
     return added[0] if added else None
 
 
 async def seen(store: TrajectoryStore, platform: str, external_id: str) -> bool:
     """Whether the platform's message with this id is stored already (a retry)."""
-    return bool(await store.query("SELECT 1 FROM bot_messages WHERE platform = ? AND external_id = ?",
-                                  (platform, external_id)))
+    return bool(await store._select("SELECT 1 FROM bot_messages WHERE platform = ? AND external_id = ?",
+                                    (platform, external_id)))
 
 
 async def get(store: TrajectoryStore, message_id: str) -> dict[str, Any] | None:
-    rows = await store.query("SELECT * FROM bot_messages WHERE id = ?", (message_id,))
+    rows = await store._select("SELECT * FROM bot_messages WHERE id = ?", (message_id,))
     return rows[0] if rows else None
 
 
 async def of_run(store: TrajectoryStore, trajectory_id: str, statuses: tuple[str, ...]) -> list[dict[str, Any]]:
     marks = ",".join("?" * len(statuses))
-    return await store.query(f"SELECT * FROM bot_messages WHERE trajectory_id = ? AND status IN ({marks}) "
-                             "ORDER BY created_at", (trajectory_id, *statuses))
+    return await store._select(f"SELECT * FROM bot_messages WHERE trajectory_id = ? AND status IN ({marks}) "
+                               "ORDER BY created_at", (trajectory_id, *statuses))
 
 
 async def with_status(store: TrajectoryStore, statuses: tuple[str, ...]) -> list[dict[str, Any]]:
     marks = ",".join("?" * len(statuses))
-    return await store.query(f"SELECT * FROM bot_messages WHERE status IN ({marks}) ORDER BY created_at, id",
-                             statuses)
+    return await store._select(f"SELECT * FROM bot_messages WHERE status IN ({marks}) ORDER BY created_at, id",
+                               statuses)
 
 
 async def conversation_run(store: TrajectoryStore, platform: str, conversation_id: str) -> str | None:
     """The trajectory a conversation grows, while it still exists (retention may have deleted it)."""
-    rows = await store.query("""SELECT c.trajectory_id FROM bot_conversations c
-                                JOIN agent_runs r ON r.id = c.trajectory_id
-                                WHERE c.platform = ? AND c.conversation_id = ?""", (platform, conversation_id))
+    rows = await store._select("""SELECT c.trajectory_id FROM bot_conversations c
+                                  JOIN agent_runs r ON r.id = c.trajectory_id
+                                  WHERE c.platform = ? AND c.conversation_id = ?""", (platform, conversation_id))
     return rows[0]["trajectory_id"] if rows else None
 
 
@@ -86,7 +86,7 @@ def running_statement(message_id: str, trajectory_id: str) -> Statement:
 
 async def set_outcome(store: TrajectoryStore, message_id: str, *, status: str, reply: str | None = None,
                       harness: dict[str, Any] | None = None, model_call_seq: int | None = None) -> dict[str, Any]:
-    [row] = await store.execute_returning(
+    [row] = await store._change_returning(
         """UPDATE bot_messages SET status = ?, reply = COALESCE(?, reply), harness = COALESCE(?, harness),
                model_call_seq = COALESCE(?, model_call_seq), updated_at = ? WHERE id = ? RETURNING *""",
         (status, reply, orjson.dumps(harness).decode() if harness else None, model_call_seq, time.time(),
@@ -96,7 +96,7 @@ async def set_outcome(store: TrajectoryStore, message_id: str, *, status: str, r
 
 async def set_delivery(store: TrajectoryStore, message_id: str, *, delivered: bool, attempts: int,
                        error: str | None) -> dict[str, Any]:
-    [row] = await store.execute_returning(
+    [row] = await store._change_returning(
         "UPDATE bot_messages SET status = ?, attempts = attempts + ?, error = ?, updated_at = ? WHERE id = ? "
         "RETURNING *", (DELIVERED if delivered else FAILED, attempts, error, time.time(), message_id))
     return row

@@ -1,0 +1,55 @@
+"""API keys (stored as hashes of their secrets) and the nonces of signed requests."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from replay.records import new_id
+
+if TYPE_CHECKING:
+    from replay.store import TrajectoryStore
+
+_PUBLIC = "id, tenant, name, capture, default_model, allow_model_override"
+
+
+async def create(store: TrajectoryStore, *, tenant: str, name: str | None, capture: bool, secret_hash: str,
+                 default_model: str | None = None, allow_model_override: bool = False) -> str:
+    key_id, now = new_id(), time.time()
+    # In one commit with the key: from now on this store never serves an open gateway.
+    await store._change([
+        ("INSERT INTO api_keys(id, hash, tenant, name, capture, created_at, default_model, "
+         "allow_model_override) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+         (key_id, secret_hash, tenant, name, int(capture), now, default_model, int(allow_model_override))),
+        ("INSERT OR IGNORE INTO store_facts(name, value, set_at) VALUES ('keys_created', '1', ?)", (now,))])
+    return key_id
+
+
+async def list_keys(store: TrajectoryStore) -> list[dict[str, Any]]:
+    return await store._select(f"SELECT {_PUBLIC}, created_at, revoked_at FROM api_keys ORDER BY id")
+
+
+async def find(store: TrajectoryStore, secret_hash: str) -> dict[str, Any] | None:
+    """The live key with this secret's hash."""
+    rows = await store._select(f"SELECT {_PUBLIC} FROM api_keys WHERE hash = ? AND revoked_at IS NULL",
+                               (secret_hash,))
+    return rows[0] if rows else None
+
+
+async def revoke(store: TrajectoryStore, key_id: str) -> bool:
+    [changed] = await store._change([("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
+                                      (time.time(), key_id))])
+    return changed > 0
+
+
+async def ever_created(store: TrajectoryStore) -> bool:
+    """Whether an API key was ever created in this store (revoked ones count: the fact is never undone)."""
+    return bool(await store._select("SELECT 1 FROM store_facts WHERE name = 'keys_created'"))
+
+
+async def claim_nonce(store: TrajectoryStore, nonce: str, *, now: float, keep_seconds: float) -> bool:
+    """Record a signed request's nonce; False when it was seen within ``keep_seconds`` (a replay). Older nonces
+    are forgotten: their timestamps are outside any window a signature is accepted in."""
+    counts = await store._change([("DELETE FROM bot_nonces WHERE seen_at < ?", (now - keep_seconds,)),
+                                  ("INSERT OR IGNORE INTO bot_nonces(nonce, seen_at) VALUES (?, ?)", (nonce, now))])
+    return counts[1] == 1

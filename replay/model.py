@@ -1,0 +1,214 @@
+"""The read model: a stored trajectory with its model calls, tool calls, events, feedback and agent run.
+
+Read once by ``TrajectoryStore.get_trajectory`` and consumed as is by the reward signals, RL, evaluation,
+the API and the command line. ``format`` names how ``ModelCall.request`` and its replies are written
+(``chat``: Chat Completions messages); a trajectory of Responses API items or Anthropic messages is another
+format of the same model, so readers that do not know a format can refuse it by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from replay.vocabulary import REFUSED_STATUSES
+
+CHAT = "chat"
+
+
+def content_text(content: Any) -> str | None:
+    """A message's content as text: a string as is, content parts joined."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+    return str(content)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCall:
+    """One backend call, as sent and as answered."""
+
+    id: str
+    seq: int
+    created_at: float
+    status: str  # ok | error | client_disconnected
+    request: dict[str, Any]  # the exact request as sent: messages, tools and every other parameter
+    response: dict[str, Any] | None  # with each choice's message
+    backend: str | None = None
+    model: str | None = None
+    adapter: str | None = None
+    stream: bool = False
+    error: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    latency_ms: float | None = None
+    ttft_ms: float | None = None
+    prompt_token_ids: list[int] | None = None
+    completion_token_ids: list[list[int]] | None = None  # per choice
+    completion_logprobs: list[list[float]] | None = None  # per choice, of each completion token
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        return self.request.get("messages") or []
+
+    @property
+    def purpose(self) -> str:
+        """``step`` (a model call that acts) or ``summary`` (one that compacts the context)."""
+        return self.request.get("purpose", "step")
+
+    @property
+    def reply(self) -> dict[str, Any] | None:
+        """The first choice's message."""
+        choices = (self.response or {}).get("choices") or []
+        return choices[0].get("message") if choices else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "seq": self.seq, "created_at": self.created_at, "backend": self.backend,
+                "model": self.model, "adapter": self.adapter, "stream": self.stream, "status": self.status,
+                "error": self.error, "request": self.request, "response": self.response,
+                "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "latency_ms": self.latency_ms, "ttft_ms": self.ttft_ms, "prompt_token_ids": self.prompt_token_ids,
+                "completion_token_ids": self.completion_token_ids, "completion_logprobs": self.completion_logprobs}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One tool call, with the result the model saw."""
+
+    step: int  # the model call's seq
+    call_id: str | None
+    name: str | None
+    arguments: str  # raw, as the model wrote them
+    valid: bool
+    status: str  # ok | error | timeout | invalid | denied | returned | retried | pending_approval
+    result: str | None  # the agent's tool output, or (proxy mode) the client's tool message
+    parsed: bool = True
+    repaired: bool = False
+    validation_error: str | None = None
+    duration_ms: float | None = None
+    created_at: float = 0.0
+
+    @property
+    def succeeded(self) -> bool:
+        """A result the model could use: ran fine, or (proxy mode) the client sent back its result."""
+        return self.valid and (self.status == "ok" or (self.status == "returned" and self.result is not None))
+
+    @property
+    def refused(self) -> bool:
+        """Invalid (bad arguments, unknown or forbidden tool) or refused (a repeat, an unapproved tool)."""
+        return not self.valid or self.status in REFUSED_STATUSES
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "call_id": self.call_id, "name": self.name, "arguments": self.arguments,
+                "valid": self.valid, "status": self.status, "result": self.result, "parsed": self.parsed,
+                "repaired": self.repaired, "validation_error": self.validation_error,
+                "duration_ms": self.duration_ms, "created_at": self.created_at}
+
+
+@dataclass(frozen=True, slots=True)
+class Feedback:
+    """A reward or a label, for the whole trajectory or (``model_call_seq``) one step."""
+
+    source: str  # verifier | user | reward_engine | ...
+    name: str
+    value: float | None
+    label: str | None
+    comment: str | None = None
+    model_call_seq: int | None = None
+    created_at: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "name": self.name, "value": self.value, "label": self.label,
+                "comment": self.comment, "model_call_seq": self.model_call_seq, "created_at": self.created_at}
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """A state the agent loop passed through."""
+
+    step: int
+    state: str
+    data: Any
+    created_at: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "state": self.state, "data": self.data, "created_at": self.created_at}
+
+
+@dataclass(frozen=True, slots=True)
+class AgentRun:
+    """The agent run a trajectory is, when it is one."""
+
+    profile: str
+    status: str
+    termination_reason: str | None
+    steps: int
+    state: dict[str, Any]  # the resumable run state (messages, budget, final answer, ...)
+    result: dict[str, Any] | None
+    created_at: float
+    updated_at: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"profile": self.profile, "status": self.status, "termination_reason": self.termination_reason,
+                "steps": self.steps, "result": self.result, "created_at": self.created_at,
+                "updated_at": self.updated_at}
+
+
+@dataclass(frozen=True, slots=True)
+class Trajectory:
+    """A trajectory; ``calls`` and what follows are empty in a listing, which reads the trajectory alone."""
+
+    id: str
+    source: str
+    status: str
+    created_at: float
+    updated_at: float
+    tenant: str | None = None
+    key_id: str | None = None
+    session_key: str | None = None
+    requested_model: str | None = None
+    base_model: str | None = None
+    adapter: str | None = None
+    adapter_version: str | None = None
+    task_id: str | None = None
+    group_id: str | None = None
+    parent_id: str | None = None
+    termination_reason: str | None = None
+    message_count: int = 0
+    n_calls: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    latency_ms: float = 0.0
+    final_reward: float | None = None
+    metadata: dict[str, Any] | None = None
+    format: str = CHAT
+    calls: list[ModelCall] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    feedback: list[Feedback] = field(default_factory=list)  # oldest first
+    run: AgentRun | None = None
+
+    @property
+    def steps(self) -> list[ModelCall]:
+        """The model calls that acted (summaries excluded)."""
+        return [c for c in self.calls if c.purpose != "summary"]
+
+    def summary(self) -> dict[str, Any]:
+        """The trajectory's own fields, as a listing shows them."""
+        return {"id": self.id, "source": self.source, "tenant": self.tenant, "key_id": self.key_id,
+                "session_key": self.session_key, "requested_model": self.requested_model,
+                "base_model": self.base_model, "adapter": self.adapter, "adapter_version": self.adapter_version,
+                "task_id": self.task_id, "group_id": self.group_id, "parent_id": self.parent_id,
+                "status": self.status, "termination_reason": self.termination_reason,
+                "message_count": self.message_count, "n_calls": self.n_calls, "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens, "latency_ms": self.latency_ms,
+                "final_reward": self.final_reward, "metadata": self.metadata, "created_at": self.created_at,
+                "updated_at": self.updated_at}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything, as the API and ``harness show`` give it."""
+        return {**self.summary(), "format": self.format, "calls": [c.to_dict() for c in self.calls],
+                "tool_calls": [t.to_dict() for t in self.tool_calls], "events": [e.to_dict() for e in self.events],
+                "feedback": [f.to_dict() for f in self.feedback],
+                "run": self.run.to_dict() if self.run else None}

@@ -1,0 +1,139 @@
+"""Reading trajectories into the read model (``replay.model``): one trajectory whole, or a listing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import aiosqlite
+import orjson
+
+from replay.model import AgentRun, Event, Feedback, ModelCall, ToolCall, Trajectory, content_text
+from replay.records import unpack
+
+_SUMMARY_FIELDS = ("id", "source", "status", "created_at", "updated_at", "tenant", "key_id", "session_key",
+                   "requested_model", "base_model", "adapter", "adapter_version", "task_id", "group_id", "parent_id",
+                   "termination_reason", "message_count", "n_calls", "prompt_tokens", "completion_tokens",
+                   "latency_ms", "final_reward")
+
+
+def _summary(row: aiosqlite.Row) -> dict[str, Any]:
+    fields = {name: row[name] for name in _SUMMARY_FIELDS}
+    fields["metadata"] = orjson.loads(row["metadata"]) if row["metadata"] else None
+    return fields
+
+
+async def listing(db: aiosqlite.Connection, *, tenant: str | None, all_tenants: bool, limit: int,
+                  before: str | None) -> list[Trajectory]:
+    """Trajectories newest first, without their calls."""
+    where, args = [], []
+    if not all_tenants:
+        where.append("tenant IS ?")
+        args.append(tenant)
+    if before:
+        where.append("id < ?")
+        args.append(before)
+    sql = "SELECT * FROM trajectories" + (" WHERE " + " AND ".join(where) if where else "")
+    async with db.execute(sql + " ORDER BY id DESC LIMIT ?", (*args, limit)) as cur:
+        return [Trajectory(**_summary(r)) for r in await cur.fetchall()]
+
+
+async def trajectory(db: aiosqlite.Connection, trajectory_id: str, *, tenant: str | None,
+                     all_tenants: bool) -> Trajectory | None:
+    """A trajectory whole: its calls (message bodies resolved), tool calls, events, feedback and run."""
+    async with db.execute("SELECT * FROM trajectories WHERE id = ?", (trajectory_id,)) as cur:
+        row = await cur.fetchone()
+    if row is None or (not all_tenants and row["tenant"] != tenant):
+        return None
+    calls = await _calls(db, trajectory_id)
+    return Trajectory(**_summary(row), calls=calls, tool_calls=await _tool_calls(db, trajectory_id, calls),
+                      events=await _events(db, trajectory_id), feedback=await _feedback(db, trajectory_id),
+                      run=await _run(db, trajectory_id))
+
+
+async def _calls(db: aiosqlite.Connection, trajectory_id: str) -> list[ModelCall]:
+    async with db.execute("SELECT * FROM model_calls WHERE trajectory_id = ? ORDER BY seq, created_at",
+                          (trajectory_id,)) as cur:
+        rows = await cur.fetchall()
+    keys: set[str] = set()
+    for c in rows:
+        keys.update(orjson.loads(c["request_messages"]))
+        keys.update(orjson.loads(c["response_messages"] or "[]"))
+        if c["tools_hash"]:
+            keys.add(c["tools_hash"])
+    bodies = await blobs(db, keys)
+    calls = []
+    for c in rows:
+        response = orjson.loads(c["response"]) if c["response"] else None
+        if response is not None:
+            for choice, key in zip(response.get("choices", []), orjson.loads(c["response_messages"] or "[]"),
+                                   strict=False):
+                choice["message"] = bodies.get(key)
+        calls.append(ModelCall(
+            id=c["id"], seq=c["seq"], created_at=c["created_at"], status=c["status"],
+            request={"messages": [bodies.get(k) for k in orjson.loads(c["request_messages"])],
+                     "tools": bodies.get(c["tools_hash"]) if c["tools_hash"] else None,
+                     **orjson.loads(c["params"] or "{}")},
+            response=response, backend=c["backend"], model=c["model"], adapter=c["adapter"],
+            stream=bool(c["stream"]), error=c["error"], prompt_tokens=c["prompt_tokens"],
+            completion_tokens=c["completion_tokens"], latency_ms=c["latency_ms"], ttft_ms=c["ttft_ms"],
+            prompt_token_ids=unpack(c["prompt_token_ids"]), completion_token_ids=unpack(c["completion_token_ids"]),
+            completion_logprobs=unpack(c["completion_logprobs"])))
+    return calls
+
+
+async def blobs(db: aiosqlite.Connection, keys: Iterable[str]) -> dict[str, Any]:
+    keys = list(keys)
+    out: dict[str, Any] = {}
+    for i in range(0, len(keys), 500):
+        chunk = keys[i:i + 500]
+        marks = ",".join("?" * len(chunk))
+        async with db.execute(f"SELECT hash, body FROM blobs WHERE hash IN ({marks})", chunk) as cur:
+            for h, body in await cur.fetchall():
+                out[h] = orjson.loads(body)
+    return out
+
+
+async def _tool_calls(db: aiosqlite.Connection, trajectory_id: str, calls: list[ModelCall]) -> list[ToolCall]:
+    # A call returned to the client (proxy mode) has its result in the client's next request.
+    client_results: dict[str, str] = {}
+    for c in calls:
+        for m in c.messages:
+            if isinstance(m, dict) and m.get("role") == "tool" and m.get("tool_call_id"):
+                client_results.setdefault(m["tool_call_id"], content_text(m.get("content")) or "")
+    async with db.execute("SELECT * FROM tool_calls WHERE trajectory_id = ? ORDER BY step, created_at, rowid",
+                          (trajectory_id,)) as cur:
+        rows = await cur.fetchall()
+    return [ToolCall(
+        step=r["step"], call_id=r["call_id"], name=r["name"], arguments=r["raw_arguments"] or "",
+        valid=bool(r["valid"]), status=r["status"],
+        result=r["result"] if r["result"] is not None or r["status"] != "returned"
+        else client_results.get(r["call_id"] or ""),
+        parsed=bool(r["parsed"]), repaired=bool(r["repaired"]), validation_error=r["validation_error"],
+        duration_ms=r["duration_ms"], created_at=r["created_at"]) for r in rows]
+
+
+async def _events(db: aiosqlite.Connection, trajectory_id: str) -> list[Event]:
+    async with db.execute("SELECT step, state, data, created_at FROM events WHERE trajectory_id = ? ORDER BY id",
+                          (trajectory_id,)) as cur:
+        return [Event(step=r[0], state=r[1], data=orjson.loads(r[2]) if r[2] else None, created_at=r[3])
+                for r in await cur.fetchall()]
+
+
+async def _feedback(db: aiosqlite.Connection, trajectory_id: str) -> list[Feedback]:
+    async with db.execute("SELECT * FROM feedback WHERE trajectory_id = ? ORDER BY created_at, id",
+                          (trajectory_id,)) as cur:
+        return [Feedback(source=r["source"], name=r["name"], value=r["value"], label=r["label"], comment=r["comment"],
+                         model_call_seq=r["model_call_seq"], created_at=r["created_at"])
+                for r in await cur.fetchall()]
+
+
+async def _run(db: aiosqlite.Connection, trajectory_id: str) -> AgentRun | None:
+    async with db.execute("SELECT * FROM agent_runs WHERE id = ?", (trajectory_id,)) as cur:
+        r = await cur.fetchone()
+    if r is None:
+        return None
+    return AgentRun(profile=r["profile"], status=r["status"], termination_reason=r["termination_reason"],
+                    steps=r["steps"], state=orjson.loads(r["state"]) if r["state"] else {},
+                    result=orjson.loads(r["result"]) if r["result"] else None, created_at=r["created_at"],
+                    updated_at=r["updated_at"])

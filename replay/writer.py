@@ -1,0 +1,212 @@
+"""The store's one writer: a queue, and a task that commits whatever has gathered as one transaction.
+
+Callers await their operation's commit, so a response is only ever sent for an exchange that is already
+durable. A batch is written by one function on one writer thread (a single hop off the event loop, however
+many statements it holds). Message bodies are content-addressed: each is written once, whatever refers to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import structlog
+
+from replay import hashing
+from replay.records import CallRecord, Statement, WriteOp, new_id, pack, split_choices
+from replay.stitching import LRU
+
+log = structlog.get_logger()
+
+
+class StoreClosed(RuntimeError):
+    pass
+
+
+@dataclass
+class _Rows:
+    blobs: list[tuple[str, bytes]]
+    trajectories: list[tuple[Any, ...]]
+    calls: list[tuple[Any, ...]]
+    tool_calls: list[tuple[Any, ...]]
+    statements: list[Statement]
+
+
+_UPSERT_TRAJECTORY = """
+    INSERT INTO trajectories(id, source, tenant, key_id, session_key, requested_model, base_model, adapter, group_id,
+        parent_id, status, head_hash, message_count, n_calls, prompt_tokens, completion_tokens, latency_ms,
+        created_at, updated_at)
+    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1, ?, ?, ?, ?, ?)
+    ON CONFLICT(id) DO UPDATE SET
+        status = excluded.status,
+        group_id = COALESCE(group_id, excluded.group_id),
+        head_hash = COALESCE(excluded.head_hash, head_hash),
+        message_count = MAX(message_count, excluded.message_count),
+        n_calls = n_calls + 1,
+        prompt_tokens = prompt_tokens + excluded.prompt_tokens,
+        completion_tokens = completion_tokens + excluded.completion_tokens,
+        latency_ms = latency_ms + excluded.latency_ms,
+        updated_at = excluded.updated_at"""
+
+_INSERT_CALL = """
+    INSERT INTO model_calls(id, trajectory_id, seq, created_at, backend, model, adapter, stream, request_messages,
+        tools_hash, params, response, response_messages, status, error, prompt_tokens, completion_tokens,
+        latency_ms, ttft_ms, prompt_token_ids, completion_token_ids, completion_logprobs)
+    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"""
+
+_INSERT_TOOL_CALL = """
+    INSERT INTO tool_calls(id, trajectory_id, step, call_id, name, raw_arguments, parsed, repaired, valid,
+        validation_error, status, result, duration_ms, created_at)
+    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"""
+
+
+class Writer:
+    def __init__(self, *, lock: asyncio.Lock, advance: Callable[[CallRecord, str | None], None],
+                 max_batch: int = 256, max_queue: int = 100_000, commit_delay: float = 0.0,
+                 on_commit: Callable[[int, float], None] | None = None) -> None:
+        self.max_batch = max_batch
+        self.commit_delay = commit_delay
+        self.known_blobs = LRU(200_000)
+        self._queue: asyncio.Queue[tuple[WriteOp, asyncio.Future[None]]] = asyncio.Queue(max_queue)
+        self._lock = lock  # one transaction at a time on the store: batches, deletes and key changes
+        self._advance = advance  # stitching learns each call's new head as its row is built
+        self._on_commit = on_commit  # callback(batch_size, seconds) for metrics
+        self._conn: sqlite3.Connection | None = None  # used only on the writer thread
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-writer")
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    def start(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+        self._task = asyncio.create_task(self._loop(), name="store-writer")
+
+    async def stop(self) -> None:
+        """Commit everything already accepted, then stop."""
+        self._closing = True
+        if self._task:
+            await self._queue.join()
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._thread.shutdown(wait=True)
+
+    async def write(self, op: WriteOp) -> None:
+        if self._closing or self._task is None:
+            raise StoreClosed("the store is closed")
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        await self._queue.put((op, fut))
+        await fut
+
+    async def _loop(self) -> None:
+        while True:
+            first = await self._queue.get()
+            batch = [first]
+            while len(batch) < self.max_batch and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            started = time.perf_counter()
+            try:
+                async with self._lock:
+                    # Built under the lock: a delete in between could collect blobs these rows rely on.
+                    rows, new_blobs = self._rows([op for op, _ in batch])
+                    await asyncio.get_running_loop().run_in_executor(self._thread, self._commit, rows)
+                for key in new_blobs:
+                    self.known_blobs.put(key, True)
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_result(None)
+            except Exception as exc:  # noqa: BLE001 - every waiter must hear of the failure
+                log.error("store.commit_failed", error=str(exc), batch=len(batch))
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(exc)
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+            if self._on_commit is not None:
+                self._on_commit(len(batch), time.perf_counter() - started)
+
+    def _rows(self, batch: list[WriteOp]) -> tuple[_Rows, list[str]]:
+        """The rows a batch writes (built on the event loop, where the caches live), and its new blob keys."""
+        blobs: dict[str, bytes] = {}
+        trajectories = []
+        calls = []
+        tool_calls = []
+
+        def put_blob(value: Any) -> str:
+            body = hashing.exact_json(value)
+            key = hashing.blob_hash(body)
+            if key not in self.known_blobs:
+                blobs[key] = body
+            return key
+
+        for rec in (one for op in batch for call in op.records for one in split_choices(call)):
+            request_keys = [put_blob(m) for m in rec.request_messages]
+            tools_key = put_blob(rec.tools) if rec.tools else None
+            response = rec.response
+            response_keys: list[str] = []
+            head = rec.request_prefix[-1] if rec.request_prefix else None
+            if response is not None:
+                choices = response.get("choices") or []
+                response_keys = [put_blob(c.get("message") or {}) for c in choices]
+                if choices and choices[0].get("message"):
+                    head = hashing.chain(head or "", hashing.stitch_hash(choices[0]["message"]))
+                # Bodies live in blobs; the response keeps everything else.
+                response = {**response, "choices": [
+                    {k: v for k, v in c.items() if k != "message"} for c in choices]}
+            self._advance(rec, head)
+            status = "completed" if rec.status == "ok" else rec.status
+            ref = rec.trajectory
+            message_count = len(rec.request_messages) + (1 if response_keys else 0)
+            trajectories.append((
+                ref.id, rec.source, rec.tenant, rec.key_id, ref.session_key, rec.requested_model,
+                rec.base_model, rec.adapter, ref.group_id, ref.parent_id, status, head, message_count,
+                rec.prompt_tokens, rec.completion_tokens, rec.latency_ms, rec.created_at, rec.created_at,
+            ))
+            calls.append((
+                new_id(), ref.id, ref.seq, rec.created_at, rec.backend, rec.base_model, rec.adapter,
+                int(rec.stream), orjson.dumps(request_keys).decode(), tools_key,
+                orjson.dumps(rec.params).decode(), orjson.dumps(response).decode() if response else None,
+                orjson.dumps(response_keys).decode(), rec.status, rec.error, rec.prompt_tokens,
+                rec.completion_tokens, rec.latency_ms, rec.ttft_ms, pack(rec.prompt_token_ids),
+                pack(rec.completion_token_ids), pack(rec.completion_logprobs),
+            ))
+            tool_calls.extend(
+                (new_id(), ref.id, ref.seq, t["call_id"], t["name"], t["raw_arguments"], int(t["parsed"]),
+                 int(t["repaired"]), int(t["valid"]), t["validation_error"], t["status"], t.get("result"),
+                 t.get("duration_ms"), rec.created_at)
+                for t in rec.tool_calls)
+        statements = [st for op in batch for st in op.statements]
+        return _Rows(list(blobs.items()), trajectories, calls, tool_calls, statements), list(blobs)
+
+    def _commit(self, rows: _Rows) -> None:
+        """One transaction on the writer thread; all of it or none of it."""
+        db = self._conn
+        assert db is not None
+        db.execute("BEGIN")
+        try:
+            if rows.blobs:
+                db.executemany("INSERT OR IGNORE INTO blobs(hash, body) VALUES (?, ?)", rows.blobs)
+            db.executemany(_UPSERT_TRAJECTORY, rows.trajectories)
+            db.executemany(_INSERT_CALL, rows.calls)
+            if rows.tool_calls:
+                db.executemany(_INSERT_TOOL_CALL, rows.tool_calls)
+            for sql, args in rows.statements:
+                db.execute(sql, args)
+            if self.commit_delay:
+                time.sleep(self.commit_delay)
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
