@@ -19,7 +19,8 @@ skip_without("local")
 from transformers import PreTrainedTokenizerBase
 
 from gateway.backends.base import BackendError, BackendUnavailable, ChatRequest, ChatResult
-from gateway.backends.local import LocalBackend, _TextTracker
+from gateway.backends.local import LocalBackend
+from gateway.backends.local.text import TextTracker as _TextTracker
 from gateway.backends.local_model import (
     ModelLoadError,
     _fingerprint,

@@ -1,0 +1,121 @@
+"""LoRA adapters on the embedded model: checking a folder, and the model wrapped in peft while any is loaded.
+
+The model is wrapped in a ``PeftModel`` only while at least one adapter is loaded, so a gateway that never loads
+one runs the plain model. One batch mixes rows for different adapters and for the base model: every forward
+pass names each row's adapter (peft's ``adapter_names``, ``__base__`` for the base).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # peft is imported on the first load: it takes over a second, and most gateways never load one
+    from peft import LoraConfig, PeftModel
+
+_BASE = "__base__"  # peft's name, in ``adapter_names``, for a row that runs without an adapter
+
+
+@dataclass(frozen=True)
+class Adapter:
+    name: str  # as requests name it (``sql@3``)
+    # peft's name for it: request names hold characters peft's module dicts refuse (``.``), and a name
+    # reloaded while its previous weights still serve a request must not collide with them.
+    internal: str
+    path: str
+
+
+class AdapterLoadError(Exception):
+    """An adapter folder that cannot be served; the message says why."""
+
+
+def lora_config(path: str) -> LoraConfig:
+    """The LoRA config of the adapter folder ``path``, checked for what mixed-adapter batches support."""
+    from peft import LoraConfig
+
+    folder = Path(path)
+    # peft takes a path that is not a local folder for a Hub repository id; never go looking there.
+    if not folder.is_dir():
+        raise AdapterLoadError("no such folder")
+    if not (folder / "adapter_model.safetensors").is_file() and not (folder / "adapter_model.bin").is_file():
+        raise AdapterLoadError("the folder holds no adapter_model.safetensors")
+    try:
+        raw = json.loads((folder / "adapter_config.json").read_text())
+        peft_type = raw.get("peft_type") if isinstance(raw, dict) else None
+        if peft_type != "LORA":
+            raise AdapterLoadError(f"only LoRA adapters are served; this one is {peft_type or 'of no known type'}")
+        config = LoraConfig.from_pretrained(str(folder))
+    except (OSError, ValueError, TypeError) as exc:
+        raise AdapterLoadError(f"cannot read adapter_config.json: {exc}") from exc
+    # peft's mixed-adapter batches refuse both; better to say so now than fail a batch later.
+    if config.use_dora:
+        raise AdapterLoadError("DoRA adapters cannot share a batch with other adapters")
+    if getattr(config, "target_parameters", None):
+        raise AdapterLoadError("adapters on parameters (target_parameters) cannot share a batch")
+    config.inference_mode = True
+    return config
+
+
+class LoraModel:
+    """The base model and the adapters in it. Used on the engine thread only, never beside a forward pass."""
+
+    def __init__(self, base_model: Any) -> None:
+        self.base_model = base_model
+        self.peft: PeftModel | None = None  # wraps base_model (in place) while any adapter is loaded
+        self.adapters: set[str] = set()  # internal names of the adapters in the model
+
+    def load(self, internal: str, path: str, config: LoraConfig) -> None:
+        from peft import PeftModel
+
+        first = self.peft is None
+        try:
+            if self.peft is None:
+                self.peft = PeftModel(self.base_model, config, adapter_name=internal)
+            # load_adapter skips creating an adapter the constructor already made, and returns the missing
+            # tensors (which from_pretrained only warns about), so both paths share it.
+            result = self.peft.load_adapter(path, adapter_name=internal, torch_device=str(self.base_model.device))
+            if result.missing_keys:
+                raise AdapterLoadError(f"its weights lack {len(result.missing_keys)} tensors its config asks for, "
+                                       f"such as {result.missing_keys[0]}")
+        except Exception:
+            if first:
+                self.unwrap()
+            elif self.peft is not None and internal in self.peft.peft_config:
+                self.peft.delete_adapter(internal)
+            raise
+        self.peft.eval()  # peft refuses adapter_names in training mode
+        self.adapters.add(internal)
+
+    def delete(self, internal: str) -> None:
+        self.adapters.discard(internal)
+        assert self.peft is not None
+        if not self.adapters:
+            self.unwrap()  # back to the plain model: as fast as before any adapter was loaded
+            return
+        if self.peft.active_adapter == internal:
+            # peft warns when the active adapter is deleted; no forward pass relies on which one is active
+            # (each names its rows' adapters), so hand the role to a survivor first.
+            self.peft.set_adapter(next(iter(self.adapters)))
+        self.peft.delete_adapter(internal)
+
+    def unwrap(self) -> None:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        if self.peft is not None:
+            self.peft.unload()
+        # A wrap that failed halfway leaves LoRA layers in the model with no PeftModel to unload them.
+        for name, module in list(self.base_model.named_modules()):
+            if isinstance(module, BaseTunerLayer):
+                parent, _, child = name.rpartition(".")
+                setattr(self.base_model.get_submodule(parent), child, module.get_base_layer())
+        self.peft = None
+        self.adapters.clear()
+
+    def __call__(self, adapters: list[Adapter | None], **inputs: Any) -> Any:
+        """One forward pass; ``adapters`` names each row's adapter (None: the base model)."""
+        if self.peft is None:
+            return self.base_model(**inputs)
+        # Without adapter_names peft would apply its active adapter to every row, base rows included.
+        return self.peft(**inputs, adapter_names=[_BASE if a is None else a.internal for a in adapters])

@@ -1,0 +1,433 @@
+"""The embedded model as a ``Backend``: transformers on CPU with dynamic (continuous) batching.
+
+This is the asyncio side; the batching itself is ``engine.py``'s, on the engine's worker thread. Requests
+become jobs in the engine's inbox. A scheduler task on the event loop waits for the first job, gathers more for
+up to ``batch_wait_ms`` (or until ``max_batch_size`` sequences wait), then runs the engine on its thread until
+no work is left; jobs that arrive meanwhile join the running batch. Events travel back to each request's
+asyncio queue, and operations' results to their futures, through ``loop.call_soon_threadsafe``.
+
+Adapter loads and unloads are engine operations, run between two steps; the scheduler runs the engine for them
+when it is idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import torch
+
+from gateway.agent.parsing import ToolCallStreamFilter, parse_tool_calls
+from gateway.backends.base import (
+    AdapterNotLoaded,
+    BackendError,
+    BackendUnavailable,
+    CallExtras,
+    ChatRequest,
+    ChatResult,
+)
+from gateway.backends.local.adapters import Adapter, lora_config
+from gateway.backends.local.engine import Engine, Event, Failure, Finish, Job, Token
+from gateway.backends.local.sampling import SamplingParams, invalid_request
+from gateway.backends.local_model import LoadedModel, ModelLoadError, load_model
+from gateway.config import BackendSettings
+from gateway.prompting import encode_prompt
+
+log = structlog.get_logger()
+
+
+@dataclass(frozen=True)
+class _Cancelled:
+    """Posted by the request itself so a consumer blocked on the queue wakes up and ends."""
+
+
+_Events = asyncio.Queue[list[Event | _Cancelled]]  # one request's events, in the engine's lists per step
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    prompt_ids: list[int]
+    params: SamplingParams
+    tools_enabled: bool
+    adapter: str | None = None  # the name the request gave
+
+
+class LocalBackend:
+    """The embedded transformers model, batching concurrent requests into shared forward passes.
+
+    Serves LoRA adapters (``AdapterHost``): ``ChatRequest.adapter`` names one loaded with ``load_adapter``.
+    """
+
+    def __init__(self, settings: BackendSettings) -> None:
+        self.name = settings.name
+        self.models = list(settings.models)
+        self._settings = settings
+        self._loaded: LoadedModel | None = None
+        self._engine: Engine | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._scheduler: asyncio.Task[None] | None = None
+        self._wakeup = asyncio.Event()
+        # Changed on the event loop only; the engine learns of changes through its ops.
+        self._adapters: dict[str, Adapter] = {}
+        self._loading: dict[str, asyncio.Future[None]] = {}
+        self._serial = itertools.count(1)
+
+    @property
+    def loaded(self) -> LoadedModel:
+        if self._loaded is None:
+            raise BackendUnavailable("the local model is not loaded", code="not_started")
+        return self._loaded
+
+    def count_tokens(self, messages: list[dict[str, Any]]) -> int:
+        """Tokens of ``messages`` as this model is prompted with them (the agent's context budget)."""
+        return len(encode_prompt(self.loaded.tokenizer, messages))
+
+    @property
+    def forward_passes(self) -> int:
+        return self._engine.forward_passes if self._engine else 0
+
+    async def start(self) -> None:
+        if self._settings.threads:
+            torch.set_num_threads(self._settings.threads)
+        try:
+            self._loaded = await asyncio.to_thread(load_model, self._settings.model_path, self._settings.cache_dir)
+        except ModelLoadError as exc:
+            raise BackendUnavailable(str(exc), code="model_load_failed") from exc
+        self._engine = Engine(self._loaded, self._settings.max_batch_size)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-engine")
+        self._scheduler = asyncio.create_task(self._schedule(self._engine), name=f"{self.name}-scheduler")
+        log.info("local.started", backend=self.name, threads=torch.get_num_threads(),
+                 max_batch_size=self._settings.max_batch_size, context_length=self._loaded.context_length)
+
+    async def aclose(self) -> None:
+        if self._engine is None:
+            return
+        engine, self._engine = self._engine, None
+        engine.closing = True
+        if self._scheduler is not None:
+            self._scheduler.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._scheduler
+        if self._executor is not None:
+            await asyncio.to_thread(self._executor.shutdown, wait=True)  # the running step completes
+        closed = BackendUnavailable("the local backend is shutting down", code="backend_closed")
+        engine.fail_active(closed)
+        engine.fail_waiting(closed)
+        engine.fail_ops(closed)
+        self._adapters.clear()
+
+    async def _schedule(self, engine: Engine) -> None:
+        loop = asyncio.get_running_loop()
+        wait_s = self._settings.batch_wait_ms / 1000
+        while True:
+            # Jobs and ops are appended (and the event set) on this loop only, so check-clear-wait cannot miss one.
+            if not engine.waiting():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            # Let requests sent together share the first prefill instead of trickling in one by one
+            # (an op alone has nothing to wait for).
+            deadline = loop.time() + wait_s
+            while (engine.inbox and engine.pending_sequences() < engine.max_batch_size
+                   and (left := deadline - loop.time()) > 0):
+                self._wakeup.clear()
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), left)
+            await loop.run_in_executor(self._executor, engine.run)
+
+    # -- adapters (AdapterHost) ------------------------------------------------------------------
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load the LoRA adapter folder ``path`` under ``name``; a name already loaded is left as it is.
+
+        Raises a 400 ``adapter_load_failed`` when the folder cannot be served (missing, not LoRA, made for
+        another model, weights missing). Generation goes on meanwhile; the load happens between two steps.
+        """
+        engine = self._running_engine()
+        if name in self._adapters:
+            return
+        pending = self._loading.get(name)
+        if pending is None:
+            pending = self._loading[name] = asyncio.create_task(self._load(engine, name, path), name=f"load {name}")
+            pending.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved, even if unawaited
+        try:
+            await asyncio.shield(pending)
+        except BackendError:
+            raise
+        except Exception as exc:
+            reason = " ".join(str(exc).split())[:500]  # state-dict errors run to many lines
+            raise invalid_request(f"cannot load adapter {name!r} from {path}: {reason}",
+                                  code="adapter_load_failed") from exc
+
+    async def _load(self, engine: Engine, name: str, path: str) -> None:
+        """One load, as a task of its own: a caller cancelled meanwhile must not leave the adapter in the model
+        but unknown here."""
+        try:
+            # Off the engine thread, which would otherwise stall every request: peft's first import takes over a
+            # second, and checking the folder needs no model.
+            config = await asyncio.to_thread(lora_config, path)
+            adapter = Adapter(name, f"adapter_{next(self._serial):06d}", path)
+            started = time.perf_counter()
+            await self._on_engine(engine, lambda: engine.load_adapter(adapter.internal, path, config))
+            if self._engine is engine:
+                self._adapters[name] = adapter
+                log.info("local.adapter_loaded", backend=self.name, adapter=name, path=path,
+                         seconds=round(time.perf_counter() - started, 3))
+        finally:
+            self._loading.pop(name, None)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unload the adapter ``name``; a name not loaded is fine. Requests for it already accepted finish
+        with it first: this returns once its weights are deleted. New requests for it fail at once."""
+        pending = self._loading.get(name)
+        if pending is not None:
+            with suppress(Exception):
+                await asyncio.shield(pending)
+        adapter = self._adapters.pop(name, None)
+        engine = self._engine
+        if adapter is None or engine is None:
+            return
+        loop = asyncio.get_running_loop()
+        deleted: asyncio.Future[None] = loop.create_future()
+
+        def on_deleted() -> None:
+            with suppress(RuntimeError):  # the loop is gone: nobody is waiting any more
+                loop.call_soon_threadsafe(_resolve, deleted, None, None)
+
+        await asyncio.shield(self._on_engine(engine, lambda: engine.retire_adapter(adapter.internal, on_deleted)))
+        await asyncio.shield(deleted)
+        log.info("local.adapter_unloaded", backend=self.name, adapter=name)
+
+    async def loaded_adapters(self) -> set[str]:
+        """The names of the adapters loaded now (not those loading, nor those unloaded but still finishing)."""
+        return set(self._adapters)
+
+    def _running_engine(self) -> Engine:
+        if self._engine is None:
+            raise BackendUnavailable("the local backend is not running", code="not_started")
+        return self._engine
+
+    def _on_engine(self, engine: Engine, run: Callable[[], Any]) -> asyncio.Future[Any]:
+        """Run ``run`` on the engine thread between two steps; the future settles with its result."""
+        if engine.closing:  # aclose fails the ops queued before it began; none may follow
+            raise BackendUnavailable("the local backend is shutting down", code="backend_closed")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            with suppress(RuntimeError):  # the loop is gone: nobody is waiting any more
+                loop.call_soon_threadsafe(_resolve, future, result, error)
+
+        engine.call(run, settle)
+        self._wakeup.set()
+        return future
+
+    def _adapter(self, name: str | None) -> Adapter | None:
+        if not name:
+            return None
+        adapter = self._adapters.get(name)
+        if adapter is None:
+            raise AdapterNotLoaded(f"adapter {name!r} is not loaded on backend {self.name!r}", adapter=name)
+        return adapter
+
+    async def _prepare(self, request: ChatRequest) -> _Prepared:
+        self._adapter(request.adapter)  # fail fast; _submit resolves it again after the awaits below
+        body = request.body
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise invalid_request("messages must be a non-empty list", "messages")
+        params = SamplingParams.from_body(body)
+        tools = _tools_for(body)
+        try:
+            prompt_ids = await asyncio.to_thread(encode_prompt, self.loaded.tokenizer, messages, tools)
+        except Exception as exc:  # a template raising means the caller's messages are malformed
+            raise invalid_request(f"cannot render the messages: {exc}", "messages") from exc
+        limit = self.loaded.context_length
+        if len(prompt_ids) >= limit:
+            raise invalid_request(f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit} tokens",
+                                  "messages", "context_length_exceeded")
+        return _Prepared(prompt_ids, params, bool(tools), request.adapter)
+
+    def _submit(self, prepared: _Prepared) -> tuple[Job, _Events]:
+        engine = self._running_engine()
+        # Resolved here, synchronously with the append below, so an unload that pops the name after this
+        # point finds the job in the inbox and waits for it.
+        adapter = self._adapter(prepared.adapter)
+        loop = asyncio.get_running_loop()
+        queue: _Events = asyncio.Queue()
+
+        def deliver(events: list[Event]) -> None:
+            with suppress(RuntimeError):  # the loop is gone: nobody is waiting any more
+                loop.call_soon_threadsafe(queue.put_nowait, events)
+
+        job = Job(prepared.prompt_ids, prepared.params, deliver, adapter)
+        engine.submit(job)
+        self._wakeup.set()
+        return job, queue
+
+    async def chat(self, request: ChatRequest) -> ChatResult:
+        prepared = await self._prepare(request)
+        job, queue = self._submit(prepared)
+        n = prepared.params.n
+        ids: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+        texts: list[list[str]] = [[] for _ in range(n)]
+        reasons: list[str | None] = [None] * n
+        try:
+            async for event in _events(job, queue):
+                if isinstance(event, Token):
+                    ids[event.index].append(event.token_id)
+                    logprobs[event.index].append(event.logprob)
+                    texts[event.index].append(event.text)
+                else:
+                    reasons[event.index] = event.reason
+        finally:
+            job.cancelled = True  # stops the work if this task was cancelled; harmless when done
+        choices = []
+        for i in range(n):
+            message, reason = _final_message("".join(texts[i]), reasons[i] or "stop", prepared.tools_enabled)
+            choices.append({"index": i, "message": message, "finish_reason": reason, "logprobs": None})
+        response = {
+            "id": _completion_id(), "object": "chat.completion", "created": int(time.time()),
+            "model": request.model, "choices": choices, "usage": _usage(prepared.prompt_ids, ids),
+        }
+        return ChatResult(response=response, extras=CallExtras(prepared.prompt_ids, ids, logprobs))
+
+    async def stream(self, request: ChatRequest) -> LocalChunkStream:
+        prepared = await self._prepare(request)
+        return LocalChunkStream(*self._submit(prepared), prepared, request.model)
+
+
+def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+async def _events(job: Job, queue: _Events) -> AsyncIterator[Token | Finish]:
+    """The job's tokens and finishes until every sequence has finished; failures are raised."""
+    unfinished = job.params.n
+    while unfinished:
+        for event in await queue.get():
+            if isinstance(event, Failure):
+                raise event.error
+            if isinstance(event, _Cancelled):
+                return
+            if isinstance(event, Finish):
+                unfinished -= 1
+            yield event
+
+
+def _tools_for(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The tools the prompt offers, after ``tool_choice``: none, all, or the one named."""
+    tools = body.get("tools") or None
+    if tools is not None and not isinstance(tools, list):
+        raise invalid_request("tools must be a list", "tools")
+    choice = body.get("tool_choice")
+    if not tools or choice == "none":
+        return None
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        named = [t for t in tools if (t.get("function") or {}).get("name") == name]
+        if not named:
+            raise invalid_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+        return named
+    return tools
+
+
+def _final_message(text: str, reason: str, tools_enabled: bool) -> tuple[dict[str, Any], str]:
+    """The choice's message and finish reason. A generation cut off by the length limit keeps
+    ``length`` even when it holds calls, so a client never executes a call that was truncated."""
+    if not tools_enabled:
+        return {"role": "assistant", "content": text}, reason
+    parsed = parse_tool_calls(text)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if not parsed.calls:
+        return message, reason
+    message["tool_calls"] = parsed.tool_calls
+    return message, "tool_calls" if reason == "stop" else reason
+
+
+def _completion_id() -> str:
+    return f"chatcmpl-{secrets.token_hex(12)}"
+
+
+def _usage(prompt_ids: list[int], completions: list[list[int]]) -> dict[str, int]:
+    completion = sum(len(ids) for ids in completions)
+    return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
+            "total_tokens": len(prompt_ids) + completion}
+
+
+class LocalChunkStream:
+    """OpenAI ``chat.completion.chunk`` dicts for one streamed request (see ``ChunkStream``)."""
+
+    def __init__(self, job: Job, queue: _Events, prepared: _Prepared, model: str) -> None:
+        n = prepared.params.n
+        self.extras = CallExtras(prepared.prompt_ids, [[] for _ in range(n)], [[] for _ in range(n)])
+        self._job = job
+        self._queue = queue
+        self._prepared = prepared
+        self._header = {"id": _completion_id(), "object": "chat.completion.chunk",
+                        "created": int(time.time()), "model": model}
+        self._chunks = self._generate()
+
+    def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+        return self._chunks
+
+    async def aclose(self) -> None:
+        self._job.cancelled = True
+        self._queue.put_nowait([_Cancelled()])
+        # Fails only while another task is inside the generator; the sentinel above ends that one.
+        with suppress(RuntimeError):
+            await self._chunks.aclose()
+
+    def _chunk(self, index: int, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+        return {**self._header, "choices": [
+            {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+    async def _generate(self) -> AsyncIterator[dict[str, Any]]:
+        n = self._prepared.params.n
+        filters = [ToolCallStreamFilter() if self._prepared.tools_enabled else None for _ in range(n)]
+        ids, logprobs = self.extras.completion_token_ids, self.extras.completion_logprobs
+        assert ids is not None and logprobs is not None
+        try:
+            for i in range(n):
+                yield self._chunk(i, {"role": "assistant", "content": ""})
+            async for event in _events(self._job, self._queue):
+                i = event.index
+                if isinstance(event, Token):
+                    ids[i].append(event.token_id)
+                    logprobs[i].append(event.logprob)
+                    text = filters[i].feed(event.text) if filters[i] else event.text
+                    if text:
+                        yield self._chunk(i, {"content": text})
+                    continue
+                reason = event.reason
+                if filters[i] is not None:
+                    tail, parsed = filters[i].finish()
+                    if tail:
+                        yield self._chunk(i, {"content": tail})
+                    for k, call in enumerate(parsed.calls):
+                        yield self._chunk(i, {"tool_calls": [{"index": k, "id": call.id, "type": "function",
+                                                              "function": {"name": call.name, "arguments": ""}}]})
+                        yield self._chunk(i, {"tool_calls": [{"index": k,
+                                                              "function": {"arguments": call.arguments}}]})
+                    if parsed.calls and reason == "stop":
+                        reason = "tool_calls"
+                yield self._chunk(i, {}, reason)
+            if self._job.cancelled:
+                return
+            yield {**self._header, "choices": [], "usage": _usage(self._prepared.prompt_ids, ids)}
+        finally:
+            self._job.cancelled = True

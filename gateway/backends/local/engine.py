@@ -1,0 +1,354 @@
+"""The engine: the batch, its KV cache and the model's LoRA adapters, on one worker thread, with torch alone.
+
+The engine knows nothing of asyncio. Its owner appends jobs (``submit``) and operations (``call``) from one
+thread, its event loop, and runs ``run`` on a single worker thread whenever work waits; ``run`` returns once
+the batch is empty. Each job's events leave through the job's own ``deliver`` callback, and each operation's
+result through its ``settle`` callback, both called on the worker thread; the owner makes them thread-safe.
+
+The engine decodes all active sequences in one forward pass per step, with one KV cache for the batch. Jobs
+that arrive while a batch runs join it at the next step (their prompts are prefilled in a forward pass of
+their own and the caches are merged), as long as the batch has room; so a long generation never makes a
+newcomer wait for it.
+
+Prompts are left-padded, with an attention mask and explicit position ids, so padding never changes what a
+sequence computes. A sequence leaves the batch as soon as it finishes or its job is cancelled, and columns of
+padding no remaining sequence needs are trimmed off the cache.
+
+LoRA adapters (``adapters.py``) are loaded and unloaded at runtime. Loads and unloads change the model, so
+they are operations ``run`` applies between two steps, never beside a forward pass. An unloaded adapter's
+weights are deleted only once no admitted or waiting job uses it any more.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import structlog
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from gateway.backends.base import AdapterNotLoaded, BackendError
+from gateway.backends.local.adapters import Adapter, LoraModel
+from gateway.backends.local.sampling import SamplingParams, choose, generators
+from gateway.backends.local.text import TextTracker
+from gateway.backends.local_model import LoadedModel
+
+if TYPE_CHECKING:
+    from peft import LoraConfig, PeftModel
+
+log = structlog.get_logger()
+
+
+@dataclass(eq=False)
+class Op:
+    """A change to the model that the engine thread runs between two steps."""
+
+    run: Callable[[], Any]
+    settle: Callable[[Any, BaseException | None], None]  # (result, error), called on the engine thread
+
+
+# Events from the engine thread to a job, delivered as one list per job and step.
+@dataclass(frozen=True)
+class Token:
+    index: int
+    token_id: int
+    logprob: float
+    text: str  # newly releasable text; "" while a character or possible stop string is incomplete
+
+
+@dataclass(frozen=True)
+class Finish:
+    index: int
+    reason: str  # stop | length
+
+
+@dataclass(frozen=True)
+class Failure:
+    error: BackendError
+
+
+Event = Token | Finish | Failure
+
+
+@dataclass(eq=False)
+class Job:
+    """One request as the engine sees it: a prompt and ``params.n`` sequences to generate from it.
+
+    A cancelled job gets no further events: its owner, who cancelled it, already knows.
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    deliver: Callable[[list[Event]], None]  # called on the engine thread
+    adapter: Adapter | None = None  # None: the base model
+    cancelled: bool = False  # set from any thread; the engine drops the job at its next step
+
+
+@dataclass(eq=False)
+class _Sequence:
+    job: Job
+    index: int
+    generator: torch.Generator
+    text: TextTracker
+    token_ids: list[int] = field(default_factory=list)
+
+
+def _left_pad(tensor: torch.Tensor, amount: int, dim: int) -> torch.Tensor:
+    if amount == 0:
+        return tensor
+    pad = [0, 0] * (tensor.dim() - 1 - dim) + [amount, 0]  # F.pad lists the last dimension first
+    return F.pad(tensor, pad)
+
+
+class Engine:
+    """The batch, its KV cache and the model's adapters. ``run`` and what it calls run on the engine thread;
+    ``submit``, ``call``, ``waiting`` and ``pending_sequences`` on the owner's thread; the ``fail_*`` trio on
+    the owner's thread only while ``run`` is not running."""
+
+    def __init__(self, loaded: LoadedModel, max_batch_size: int) -> None:
+        self.base_model = loaded.model
+        self.model = LoraModel(loaded.model)  # the base model, wrapped in peft while any adapter is loaded
+        self.ops: deque[Op] = deque()  # appended by the owner, drained here between steps
+        self._retiring: dict[str, Callable[[], None]] = {}  # internal name -> "deleted" callback
+        self.tokenizer = loaded.tokenizer
+        self.context_length = loaded.context_length
+        self.max_batch_size = max_batch_size
+        self.stop_token_ids = loaded.stop_token_ids
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.inbox: deque[Job] = deque()
+        self.closing = False
+        self.forward_passes = 0  # model forward calls (prefills and decode steps), for tests and metrics
+        self._rows: list[_Sequence] = []
+        self._cache: DynamicCache | None = None
+        self._mask: torch.Tensor | None = None  # [rows, cached positions], 0 on left padding
+        self._logits: torch.Tensor | None = None  # [rows, vocab]: next-token logits of each row
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; the next ``run`` admits it, at the next step of a running batch."""
+        self.inbox.append(job)
+
+    def call(self, run: Callable[[], Any], settle: Callable[[Any, BaseException | None], None]) -> None:
+        """Queue ``run`` for the engine thread, between two steps; ``settle`` hears its result or error."""
+        self.ops.append(Op(run, settle))
+
+    def waiting(self) -> bool:
+        """Whether jobs or operations wait for a ``run``."""
+        return bool(self.inbox or self.ops)
+
+    def pending_sequences(self) -> int:
+        return sum(job.params.n for job in self.inbox)
+
+    def run(self) -> None:
+        """Apply waiting operations; decode until no sequence is active and nothing waits, or the engine closes."""
+        with torch.inference_mode():
+            try:
+                while not self.closing:
+                    self._run_ops()
+                    self._admit()
+                    self._reap()
+                    if not self._rows:
+                        return
+                    self._advance()
+            except Exception as exc:  # the batch's requests must hear of any failure, whatever it is
+                log.exception("local.generation_failed")
+                self.fail_active(BackendError(f"local generation failed: {exc}", status_code=500,
+                                              error_type="server_error"))
+
+    def fail_active(self, error: BackendError) -> None:
+        for job in {row.job: None for row in self._rows}:
+            job.deliver([Failure(error)])
+        self._reset()
+
+    def fail_waiting(self, error: BackendError) -> None:
+        while self.inbox:
+            self.inbox.popleft().deliver([Failure(error)])
+
+    def fail_ops(self, error: BackendError) -> None:
+        """Fail operations never run; an unload still waiting for its requests counts as done (nothing is loaded)."""
+        while self.ops:
+            self.ops.popleft().settle(None, error)
+        retiring, self._retiring = self._retiring, {}
+        for deleted in retiring.values():
+            deleted()
+
+    # -- adapters --------------------------------------------------------------------------------
+
+    def _run_ops(self) -> None:
+        while self.ops:
+            op = self.ops.popleft()
+            # Outside inference mode: peft later sets requires_grad on adapter weights (when the active
+            # adapter is deleted), which PyTorch refuses on tensors created in inference mode.
+            with torch.inference_mode(False), torch.no_grad():
+                try:
+                    result = op.run()
+                except Exception as exc:  # the caller hears of it; the batch goes on
+                    op.settle(None, exc)
+                else:
+                    op.settle(result, None)
+
+    def load_adapter(self, internal: str, path: str, config: LoraConfig) -> None:
+        """Load the adapter folder ``path`` as ``internal``; raises, leaving the model as it was, if it cannot."""
+        self.model.load(internal, path, config)
+
+    @property
+    def peft(self) -> PeftModel | None:
+        return self.model.peft
+
+    @property
+    def adapters(self) -> set[str]:
+        """The internal names of the adapters in the model."""
+        return self.model.adapters
+
+    def retire_adapter(self, internal: str, deleted: Callable[[], None]) -> None:
+        """Delete the adapter once no request admitted or waiting uses it; ``deleted`` is called then."""
+        if internal not in self.adapters:
+            deleted()
+            return
+        self._retiring[internal] = deleted
+        self._reap()
+
+    def _reap(self) -> None:
+        if not self._retiring:
+            return
+        # tuple() copies the deque in one C call, so the owner cannot append halfway through.
+        in_use = {row.job.adapter.internal for row in self._rows if row.job.adapter is not None}
+        in_use.update(job.adapter.internal for job in tuple(self.inbox) if job.adapter is not None)
+        for internal in [name for name in self._retiring if name not in in_use]:
+            deleted = self._retiring.pop(internal)
+            try:
+                with torch.inference_mode(False), torch.no_grad():
+                    self.model.delete(internal)
+            except Exception:  # the adapter stays in memory, unused; serving goes on
+                log.exception("local.adapter_delete_failed", adapter=internal)
+            finally:
+                deleted()
+
+    def _forward(self, adapters: list[Adapter | None], **inputs: Any) -> Any:
+        """One forward pass; ``adapters`` names each row's adapter (None: the base model)."""
+        self.forward_passes += 1
+        return self.model(adapters, **inputs)
+
+    def _reset(self) -> None:
+        self._rows, self._cache, self._mask, self._logits = [], None, None, None
+
+    # -- admission -------------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        room = self.max_batch_size - len(self._rows)
+        jobs: list[Job] = []
+        while self.inbox:
+            job = self.inbox[0]
+            if job.cancelled:
+                self.inbox.popleft()
+                continue
+            if job.adapter is not None and job.adapter.internal not in self.adapters:
+                # Cannot happen while unloads wait for their requests; but a missing name would make peft
+                # fail the whole batch, so refuse the one request instead.
+                self.inbox.popleft().deliver([Failure(AdapterNotLoaded(
+                    f"adapter {job.adapter.name!r} is not loaded", adapter=job.adapter.name))])
+                continue
+            # A job wider than the whole batch still runs, alone, rather than never.
+            if job.params.n > room and (jobs or self._rows):
+                break
+            jobs.append(self.inbox.popleft())
+            room -= job.params.n
+        if jobs:
+            self._prefill(jobs)
+
+    def _prefill(self, jobs: list[Job]) -> None:
+        width = max(len(job.prompt_ids) for job in jobs)
+        ids = torch.tensor([[self.pad_token_id] * (width - len(j.prompt_ids)) + j.prompt_ids for j in jobs])
+        mask = torch.tensor([[0] * (width - len(j.prompt_ids)) + [1] * len(j.prompt_ids) for j in jobs])
+        cache = DynamicCache(config=self.base_model.config)
+        out = self._forward([job.adapter for job in jobs], input_ids=ids, attention_mask=mask,
+                            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                            past_key_values=cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1, :].float()
+        # The n samples of a job share its prompt: prefill it once, then copy its row.
+        rows = [_Sequence(job, i, generator, TextTracker(self.tokenizer, job.params.stop))
+                for job in jobs for i, generator in enumerate(generators(job.params))]
+        if len(rows) != len(jobs):
+            repeat = torch.tensor([k for k, job in enumerate(jobs) for _ in range(job.params.n)])
+            cache.batch_select_indices(repeat)
+            mask, logits = mask[repeat], logits[repeat]
+        log.debug("local.admitted", requests=len(jobs), sequences=len(rows), running=len(self._rows))
+        if not self._rows:
+            self._rows, self._cache, self._mask, self._logits = rows, cache, mask, logits
+            return
+        assert self._cache is not None and self._mask is not None and self._logits is not None
+        old_len, new_len = self._mask.shape[1], mask.shape[1]
+        width = max(old_len, new_len)
+        self._cache = DynamicCache(ddp_cache_data=[
+            (torch.cat([_left_pad(k0, width - old_len, 2), _left_pad(k1, width - new_len, 2)]),
+             torch.cat([_left_pad(v0, width - old_len, 2), _left_pad(v1, width - new_len, 2)]))
+            for (k0, v0), (k1, v1) in zip(self._cache.to_legacy_cache(), cache.to_legacy_cache(), strict=True)
+        ], config=self.base_model.config)
+        self._mask = torch.cat([_left_pad(self._mask, width - old_len, 1), _left_pad(mask, width - new_len, 1)])
+        self._logits = torch.cat([self._logits, logits])
+        self._rows += rows
+
+    # -- one decoding step -----------------------------------------------------------------------
+
+    def _advance(self) -> None:
+        """Sample a token for every row, hand it out, drop finished rows, run the next forward pass."""
+        assert self._logits is not None and self._mask is not None and self._cache is not None
+        tokens, logprobs = self._choose(self._logits)
+        events: dict[Job, list[Event]] = {}
+        keep: list[int] = []
+        for i, row in enumerate(self._rows):
+            job = row.job
+            if job.cancelled:
+                continue
+            token = tokens[i]
+            row.token_ids.append(token)
+            reason = None
+            if token in self.stop_token_ids and not job.params.ignore_eos:
+                text, reason = row.text.flush(), "stop"
+            else:
+                text, stopped = row.text.push(token)
+                reason = "stop" if stopped else None
+            if reason is None and (len(row.token_ids) >= job.params.max_tokens
+                                   or len(job.prompt_ids) + len(row.token_ids) >= self.context_length):
+                text, reason = text + row.text.flush(), "length"
+            batch = events.setdefault(job, [])
+            batch.append(Token(row.index, token, logprobs[i], text))
+            if reason is None:
+                keep.append(i)
+            else:
+                batch.append(Finish(row.index, reason))
+        for job, batch in events.items():
+            job.deliver(batch)
+        if len(keep) < len(self._rows):
+            self._select(keep)
+        if not self._rows:
+            return
+        step = torch.tensor([[tokens[i]] for i in keep])
+        self._mask = F.pad(self._mask, (0, 1), value=1)
+        out = self._forward([row.job.adapter for row in self._rows], input_ids=step, attention_mask=self._mask,
+                            position_ids=self._mask.sum(-1, keepdim=True) - 1,
+                            past_key_values=self._cache, use_cache=True)
+        self._logits = out.logits[:, -1, :].float()
+
+    def _select(self, keep: list[int]) -> None:
+        """Keep only the rows ``keep``, and cut padding columns that no kept row needs any more."""
+        self._rows = [self._rows[i] for i in keep]
+        if not keep:
+            self._reset()
+            return
+        assert self._cache is not None and self._mask is not None and self._logits is not None
+        index = torch.tensor(keep)
+        mask, logits = self._mask[index], self._logits[index]
+        start = int(mask.argmax(dim=1).min())  # first real position of the least padded row
+        self._cache = DynamicCache(ddp_cache_data=[
+            (k[index, :, start:], v[index, :, start:]) for k, v in self._cache.to_legacy_cache()
+        ], config=self.base_model.config)
+        self._mask, self._logits = mask[:, start:], logits
+
+    def _choose(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        # A method of its own so tests can script the tokens (the tiny random model writes no tool calls).
+        return choose(logits, [(row.job.params, row.generator) for row in self._rows])
+

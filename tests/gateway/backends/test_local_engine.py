@@ -1,0 +1,139 @@
+"""The local engine driven directly on its own thread, with no event loop: events come back through each job's
+``deliver`` callback."""
+
+from __future__ import annotations
+
+import ast
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.extras import skip_without
+
+skip_without("local")
+
+import torch
+
+from gateway.backends.local import engine as engine_module
+from gateway.backends.local.engine import Engine, Event, Failure, Finish, Job, Token
+from gateway.backends.local.sampling import SamplingParams
+from gateway.backends.local_model import LoadedModel, load_model
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)  # ignore_eos: the random model must not end a sequence early
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir: Path) -> LoadedModel:
+    return load_model(str(tiny_model_dir))
+
+
+class _Inbox:
+    """One job's delivered events; called on the engine thread and read after it has been joined."""
+
+    def __init__(self, cancel_after: int | None = None) -> None:
+        self.events: list[Event] = []
+        self.job: Job | None = None
+        self._cancel_after = cancel_after
+
+    def __call__(self, events: list[Event]) -> None:
+        self.events.extend(events)
+        if self._cancel_after is not None and len(self.tokens) >= self._cancel_after:
+            assert self.job is not None
+            self.job.cancelled = True  # as the facade does from its loop; the engine drops the job at its next step
+
+    @property
+    def tokens(self) -> list[int]:
+        return [e.token_id for e in self.events if isinstance(e, Token)]
+
+    @property
+    def finishes(self) -> list[Finish]:
+        return [e for e in self.events if isinstance(e, Finish)]
+
+
+def _job(loaded: LoadedModel, text: str, inbox: _Inbox, **params: object) -> Job:
+    job = Job(loaded.tokenizer.encode(text), SamplingParams(**params), inbox)  # type: ignore[arg-type]
+    inbox.job = job
+    return job
+
+
+def _run(engine: Engine, *jobs: Job) -> None:
+    for job in jobs:
+        engine.submit(job)
+    thread = threading.Thread(target=engine.run, name="engine")
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+
+
+def _two_jobs(loaded: LoadedModel) -> tuple[Engine, _Inbox, _Inbox]:
+    engine = Engine(loaded, max_batch_size=8)
+    short, long = _Inbox(), _Inbox()
+    # Different prompt lengths, so one row is left-padded, and different limits, so one row leaves early.
+    _run(engine, _job(loaded, "a short prompt", short, max_tokens=5, **GREEDY),
+         _job(loaded, "a somewhat longer prompt than the other one", long, max_tokens=9, **GREEDY))
+    return engine, short, long
+
+
+def test_two_jobs_share_the_batch_and_greedy_output_repeats(loaded: LoadedModel) -> None:
+    engine, short, long = _two_jobs(loaded)
+    for inbox, length in ((short, 5), (long, 9)):
+        assert len(inbox.tokens) == length
+        assert inbox.finishes == [Finish(0, "length")] and inbox.events[-1] == Finish(0, "length")
+        assert not any(isinstance(e, Failure) for e in inbox.events)
+        text = "".join(e.text for e in inbox.events if isinstance(e, Token))
+        assert text == loaded.tokenizer.decode(inbox.tokens, skip_special_tokens=True)
+    # One prefill for both, then a decoding step for each token but the last.
+    assert engine.forward_passes == 1 + 8
+    assert not engine._rows
+
+    _, short_again, long_again = _two_jobs(loaded)
+    assert (short_again.tokens, long_again.tokens) == (short.tokens, long.tokens)
+
+
+def test_a_job_cancelled_mid_generation_is_dropped_and_the_other_goes_on(loaded: LoadedModel) -> None:
+    solo = _Inbox()
+    _run(Engine(loaded, max_batch_size=8), _job(loaded, "the one that stays", solo, max_tokens=12, **GREEDY))
+
+    engine = Engine(loaded, max_batch_size=8)
+    cancelled, kept = _Inbox(cancel_after=3), _Inbox()
+    _run(engine, _job(loaded, "cancel me after three tokens, please", cancelled, max_tokens=50, **GREEDY),
+         _job(loaded, "the one that stays", kept, max_tokens=12, **GREEDY))
+    # Cancelled by its owner, the job hears nothing more: no further token, no finish, no failure.
+    assert len(cancelled.tokens) == 3 and all(isinstance(e, Token) for e in cancelled.events)
+    # Dropping the row (and the padding only it needed) leaves the other's computation as it was alone.
+    assert kept.tokens == solo.tokens and kept.finishes == [Finish(0, "length")]
+    assert not engine._rows and not engine.inbox
+
+
+def test_a_failing_step_fails_every_job_of_the_batch_and_the_engine_serves_on(loaded: LoadedModel) -> None:
+    engine = Engine(loaded, max_batch_size=8)
+    choose, steps = engine._choose, 0
+
+    def failing(logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        nonlocal steps
+        steps += 1
+        if steps == 3:
+            raise RuntimeError("boom")
+        return choose(logits)
+
+    engine._choose = failing  # type: ignore[method-assign]
+    first, second = _Inbox(), _Inbox()
+    _run(engine, _job(loaded, "one", first, max_tokens=10, **GREEDY),
+         _job(loaded, "two", second, max_tokens=10, **GREEDY))
+    for inbox in (first, second):
+        assert len(inbox.tokens) == 2 and not inbox.finishes
+        [failure] = [e for e in inbox.events if isinstance(e, Failure)]
+        assert failure.error.status_code == 500 and "boom" in str(failure.error)
+    assert not engine._rows
+
+    again = _Inbox()
+    _run(engine, _job(loaded, "one", again, max_tokens=4, **GREEDY))
+    assert again.tokens[:2] == first.tokens and len(again.tokens) == 4 and again.finishes == [Finish(0, "length")]
+
+
+def test_the_engine_imports_no_asyncio() -> None:
+    tree = ast.parse(Path(engine_module.__file__).read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert not {name for name in imported if name.split(".")[0] == "asyncio"}
