@@ -1,6 +1,6 @@
 """``POST /v1/responses`` (the Responses API, which Codex CLI speaks) and ``GET /v1/responses/{id}``.
 
-Requests are translated to chat completions (``gateway/protocol/responses.py``, pure) and run through
+Requests are translated to chat completions (``gateway/protocol/responses/``, pure) and run through
 the same exchange as ``/v1/chat/completions``: routing, stitching, the proxy guard and capture. ``store``
 decides only whether a response can be fetched or continued with ``previous_response_id``; capture
 follows the gateway's own settings whatever ``store`` says.

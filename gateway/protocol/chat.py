@@ -5,13 +5,14 @@ Pure functions over dicts; the API layer does the I/O.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gateway.errors import APIError
 
@@ -22,20 +23,11 @@ class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class _Function(_Open):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-    @field_validator("parameters")
-    @classmethod
-    def _valid_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None:
-            problem = _schema_problem(orjson.dumps(value, option=orjson.OPT_SORT_KEYS))
-            if problem:
-                raise ValueError(problem)
-        return value
+def _valid_schema(value: dict[str, Any]) -> dict[str, Any]:
+    problem = _schema_problem(orjson.dumps(value, option=orjson.OPT_SORT_KEYS))
+    if problem:
+        raise ValueError(problem)
+    return value
 
 
 @lru_cache(maxsize=4096)
@@ -47,6 +39,17 @@ def _schema_problem(schema_json: bytes) -> str | None:
         path = "/".join(str(p) for p in exc.path) or "(root)"
         return f"not a valid JSON Schema at {path}: {exc.message}"
     return None
+
+
+# A tool's parameters: an object that is itself a valid JSON Schema.
+JsonSchema = Annotated[dict[str, Any], AfterValidator(_valid_schema)]
+
+
+class _Function(_Open):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: JsonSchema | None = None
+    strict: bool | None = None
 
 
 class _Tool(_Open):
@@ -101,14 +104,15 @@ def validate_chat_request(body: Any) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
         err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        msg = err["msg"]
-        if err["type"] == "missing":
-            msg = f"Missing required parameter: '{param}'."
-        else:
-            msg = f"Invalid value for '{param}': {msg}"
-        return_code = "missing_required_parameter" if err["type"] == "missing" else "invalid_value"
-        raise APIError(400, msg, param=param, code=return_code) from None
+        raise request_error(err, ".".join(str(p) for p in err["loc"]) or None) from None
+
+
+def request_error(err: Mapping[str, Any], param: str | None) -> APIError:
+    """A request's first validation error as the 400 OpenAI sends, missing and invalid fields told apart."""
+    if err["type"] == "missing":
+        return APIError(400, f"Missing required parameter: '{param}'.", param=param,
+                        code="missing_required_parameter")
+    return APIError(400, f"Invalid value for '{param}': {err['msg']}", param=param, code="invalid_value")
 
 
 class ChunkAccumulator:

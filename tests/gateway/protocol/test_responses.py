@@ -720,6 +720,73 @@ def test_valid_requests_pass() -> None:
         validate_responses_request([1])
 
 
+@pytest.mark.parametrize("body, param, code", [
+    # null is no value: a null required field is a missing one
+    ({"model": None, "input": "x"}, "model", "missing_required_parameter"),
+    ({"model": "m", "input": [{"type": "function_call", "call_id": None, "name": "f"}]}, "input[0].call_id",
+     "missing_required_parameter"),
+    ({"model": "m", "input": [{"type": None, "content": "x"}]}, "input[0].type", "missing_required_parameter"),
+    ({"model": "m", "input": "x", "tools": [{"type": "namespace", "name": "ns", "tools": None}]}, "tools[0].tools",
+     "missing_required_parameter"),
+    # ... but a message without a role has a wrong one
+    ({"model": "m", "input": [{"type": "message", "content": "x"}]}, "input[0].role", "invalid_value"),
+    # these have always been named missing when not of their type
+    ({"model": "m", "input": "x", "tool_choice": {"type": "custom", "name": 5}}, "tool_choice.name",
+     "missing_required_parameter"),
+    ({"model": "m", "input": "x", "tool_choice": {"type": "allowed_tools", "tools": {}}}, "tool_choice.tools",
+     "missing_required_parameter"),
+    ({"model": "m", "input": "x", "text": {"format": {"type": "json_schema", "name": "", "schema": {}}}},
+     "text.format.name", "missing_required_parameter"),
+    # values are not coerced
+    ({"model": "m", "input": "x", "temperature": "1"}, "temperature", "invalid_value"),
+    ({"model": "m", "input": "x", "temperature": True}, "temperature", "invalid_value"),
+    ({"model": "m", "input": "x", "max_output_tokens": 5.0}, "max_output_tokens", "invalid_value"),
+    ({"model": "m", "input": "x", "store": 1}, "store", "invalid_value"),
+    ({"model": "m", "input": "x", "metadata": []}, "metadata", "invalid_value"),
+    # namespaces nest, and each level is checked
+    ({"model": "m", "input": "x", "tools": [{"type": "namespace", "name": "a", "tools": [
+        {"type": "namespace", "name": "b", "tools": [{"type": "custom", "name": ""}]}]}]},
+     "tools[0].tools[0].tools[0].name", "invalid_value"),
+    # with several faults the first in check order is named; text.format comes after every other field
+    ({"model": "", "input": 5, "tools": 1}, "model", "invalid_value"),
+    ({"model": "m", "input": [{"role": "user", "content": "x"}, 3, {"role": "tool"}]}, "input[1]", "invalid_value"),
+    ({"model": "m", "input": "x", "text": {"format": {"type": "xml"}}, "tools": [{"name": "f"}]},
+     "tools[0].type", "missing_required_parameter"),
+    ({"model": "m", "input": "x", "text": 5, "tools": [{"name": "f"}]}, "text", "invalid_value"),
+])
+def test_invalid_requests_name_the_first_fault(body: dict[str, Any], param: str, code: str) -> None:
+    with pytest.raises(APIError) as exc:
+        validate_responses_request(body)
+    assert (exc.value.status_code, exc.value.param, exc.value.code) == (400, param, code)
+
+
+def test_invalid_requests_are_told_in_words() -> None:
+    def message(body: dict[str, Any]) -> str:
+        with pytest.raises(APIError) as exc:
+            validate_responses_request(body)
+        return exc.value.message
+
+    assert message({"input": "x"}) == "Missing required parameter: 'model'."
+    assert message({"model": "m", "input": ["hi"]}) == "Invalid value for 'input[0]': expected an input item object."
+    assert message({"model": "m", "input": "x", "tool_choice": "sometimes"}) == \
+        "Invalid value for 'tool_choice': expected 'auto', 'none', 'required' or a tool choice object."
+    schema = message({"model": "m", "input": "x",
+                      "tools": [{"type": "function", "name": "f", "parameters": {"type": "nope"}}]})
+    assert schema.startswith("Invalid value for 'tools[0].parameters': not a valid JSON Schema at type:")
+    assert message({"model": "m", "input": "x", "top_p": 0}).startswith("Invalid value for 'top_p': ")
+
+
+def test_unknown_fields_pass_everywhere() -> None:
+    validate_responses_request({
+        "model": "m", "brand_new": {"x": 1}, "include": ["reasoning.encrypted_content"],
+        "input": [{"type": "message", "role": "user", "content": "x", "id": "msg_1", "status": "completed"},
+                  {"type": "function_call", "call_id": "c", "name": "f", "arguments": {"a": 1}, "extra": [1]}],
+        "tools": [{"type": "function", "name": "f", "parameters": None, "defer_loading": True}],
+        "tool_choice": {"type": "function", "name": "", "namespace": "ns"},
+        "text": {"format": {"type": "json_schema", "name": "n", "schema": {}, "strict": True}, "verbosity": "low"},
+    })
+
+
 # ------------------------------------------------------------------------------------------ helpers
 
 
