@@ -14,6 +14,8 @@ from typing import Any
 import orjson
 from ulid import ULID
 
+from replay.vocabulary import PROXY
+
 Statement = tuple[str, tuple[Any, ...]]
 
 
@@ -50,7 +52,7 @@ class CallRecord:
     request_messages: list[dict[str, Any]]
     request_prefix: list[str]  # stitch hashes of the request's message prefixes
     status: str
-    source: str = "proxy"
+    source: str = PROXY
     tenant: str | None = None
     key_id: str | None = None
     requested_model: str | None = None

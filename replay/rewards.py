@@ -32,12 +32,12 @@ from replay.records import Statement, WriteOp
 from replay.settings import RewardSettings
 from replay.signals import DEFAULT_STEP_LIMIT, SIGNALS, TrajectoryView
 from replay.store import TrajectoryStore
-from replay.vocabulary import MAX_STEPS
+from replay.vocabulary import MAX_STEPS, PENDING_APPROVAL, RUNNING
 
 ENGINE = "reward_engine"
 SUCCESS_UNKNOWN = "success_unknown"
 # Trajectories still in flight are not scored: their reward would describe half a run.
-IN_FLIGHT = frozenset({"running", "pending_approval"})
+IN_FLIGHT = frozenset({RUNNING, PENDING_APPROVAL})
 
 
 class RewardError(ValueError):

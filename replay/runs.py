@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from replay.records import Statement
+from replay.vocabulary import TRAJECTORY_STATUSES
 
 if TYPE_CHECKING:
     from replay.store import TrajectoryStore
@@ -36,11 +37,10 @@ class RunStart:
 
 @dataclass(frozen=True)
 class RunProgress:
-    """A run after a step: its state, and its trajectory's status."""
+    """A run after a step: its state (its trajectory takes its status)."""
 
     run_id: str
     status: str
-    trajectory_status: str
     termination_reason: str | None
     steps: int
     state: dict[str, Any]
@@ -75,12 +75,14 @@ def decided_call_statement(run_id: str, call_id: str, *, status: str, result: st
 
 
 def progress_statements(run: RunProgress) -> list[Statement]:
+    if run.status not in TRAJECTORY_STATUSES:
+        raise ValueError(f"a run cannot be {run.status!r}")
     return [
         ("""UPDATE agent_runs SET status = ?, termination_reason = ?, steps = ?, state = ?, result = ?,
                updated_at = ? WHERE id = ?""",
          (run.status, run.termination_reason, run.steps, _json(run.state), _json(run.result), run.at, run.run_id)),
         ("UPDATE trajectories SET status = ?, termination_reason = ?, updated_at = ? WHERE id = ?",
-         (run.trajectory_status, run.termination_reason, run.at, run.run_id)),
+         (run.status, run.termination_reason, run.at, run.run_id)),
     ]
 
 

@@ -27,8 +27,6 @@ from replay.schema import migrate
 from replay.stitching import Stitcher
 from replay.writer import Writer
 
-CAPTURE_STATUSES = ("ok", "error", "client_disconnected")
-
 
 class TrajectoryStore:
     def __init__(self, path: str, *, synchronous: str = "NORMAL", max_batch: int = 256,

@@ -1,8 +1,19 @@
-"""Names shared by everything that writes or reads trajectories: why a run ended, how a tool call went.
+"""Names shared by everything that writes or reads trajectories: where one came from, its status, why a run
+ended, how a tool call went.
 
 They live here, with the store, so the reward engine and training read them without importing the gateway
 that writes them; the names are a public contract (the API's ``termination_reason``).
 """
+
+# Where a trajectory came from.
+PROXY, AGENT, BOT, DEMO, ROLLOUT, IMPORT = "proxy", "agent", "bot", "demo", "rollout", "import"
+
+# A trajectory's status (an agent run's too); a model call's is ``ok``, ``error`` or ``client_disconnected``.
+RUNNING, COMPLETED, TERMINATED, ERROR, INTERRUPTED, PENDING_APPROVAL = (
+    "running", "completed", "terminated", "error", "interrupted", "pending_approval")
+TRAJECTORY_STATUSES = frozenset({RUNNING, COMPLETED, TERMINATED, ERROR, INTERRUPTED, PENDING_APPROVAL,
+                                 "client_disconnected"})
+CALL_STATUSES = frozenset({"ok", "error", "client_disconnected"})
 
 MAX_STEPS = "max_steps"
 MAX_TOTAL_TOKENS = "max_total_tokens"

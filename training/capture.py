@@ -18,6 +18,7 @@ from replay import feedback, runs
 from replay.importer import Conversation, ImportResult, build_op
 from replay.records import WriteOp
 from replay.store import TrajectoryStore
+from replay.vocabulary import AGENT, DEMO
 from training.evaluate import Evaluator, RecorderFor, spread
 from training.metrics import Episode, metrics_of
 from training.tasks import Task, get_suite
@@ -79,7 +80,7 @@ async def capture(settings: Settings, suite_name: str, split: str, *, demos: boo
                     model=settings.training.base_model,
                     metadata={"suite": suite.name, "split": split, "family": task.family}))
             imported = ImportResult()
-            op = build_op(conversations, source="demo", result=imported)
+            op = build_op(conversations, source=DEMO, result=imported)
             op.statements += [feedback.statement(tid, source="verifier", name="task_success", value=1.0)
                               for tid in imported.ids]
             await store.write(op)
@@ -90,7 +91,7 @@ async def capture(settings: Settings, suite_name: str, split: str, *, demos: boo
                 episodes = []
                 for _ in range(attempts):
                     episodes += await evaluator.episodes(
-                        suite, attempted, recorder_for=store_recorder(store, settings.training.base_model, "agent"),
+                        suite, attempted, recorder_for=store_recorder(store, settings.training.base_model, AGENT),
                         temperature=temperature, progress=f"attempts on {split}")
             await label_episodes(store, suite.name, tasks, split, episodes)
             result.attempts = len(episodes)

@@ -28,6 +28,7 @@ from gateway.config import Settings
 from replay.records import WriteOp, new_id
 from replay.rewards import IN_FLIGHT, result_statements, score, signal_weights, step_limits, view_of
 from replay.store import TrajectoryStore
+from replay.vocabulary import ROLLOUT
 from training.capture import label_episodes, store_recorder
 from training.evaluate import Evaluator
 from training.metrics import Episode
@@ -170,7 +171,7 @@ class Rollouts:
         group_ids = {t.id: new_id() for t in chosen}
         episodes = await self.evaluator.episodes(
             self.suite, [t for t in chosen for _ in range(self.rl.group_size)], policy,
-            recorder_for=store_recorder(self.store, self.settings.training.base_model, "rollout"),
+            recorder_for=store_recorder(self.store, self.settings.training.base_model, ROLLOUT),
             temperature=self.rl.temperature, progress=f"rollouts, step {step}")
         if policy is not None:
             await self.evaluator.release(policy)  # the trainer rewrites this folder before the next step

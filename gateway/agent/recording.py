@@ -10,14 +10,12 @@ from gateway.agent.loop import Profile, RunState, StepRecord
 from replay import approvals, hashing, runs
 from replay.records import CallRecord, Statement, TrajectoryRef, WriteOp
 from replay.store import TrajectoryStore
-
-_TRAJECTORY_STATUS = {"running": "running", "completed": "completed", "terminated": "terminated",
-                      "error": "error", "interrupted": "interrupted", "pending_approval": "pending_approval"}
+from replay.vocabulary import AGENT
 
 
 class StoreRecorder:
     def __init__(self, store: TrajectoryStore, *, profile: Profile, backend: str, tenant: str | None = None,
-                 key_id: str | None = None, source: str = "agent", capture: bool = True,
+                 key_id: str | None = None, source: str = AGENT, capture: bool = True,
                  approval_expiry_seconds: float = 86_400.0, metadata: dict[str, Any] | None = None) -> None:
         self.store = store
         self.profile = profile
@@ -77,7 +75,7 @@ class StoreRecorder:
         statements += [runs.event_statement(state.run_id, step=e.step, state=e.state, data=e.data, at=e.created_at)
                        for e in record.events]
         statements += runs.progress_statements(runs.RunProgress(
-            run_id=state.run_id, status=state.status, trajectory_status=_TRAJECTORY_STATUS[state.status],
+            run_id=state.run_id, status=state.status,
             termination_reason=state.termination_reason, steps=state.budget.steps, state=state.to_dict(),
             result=state.harness(), at=now))
         await self.store.write(WriteOp(records=records, statements=statements))

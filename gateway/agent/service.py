@@ -21,6 +21,7 @@ from gateway.keyed_lock import KeyedLock
 from replay import approvals, runs
 from replay.records import new_id
 from replay.store import TrajectoryStore
+from replay.vocabulary import AGENT
 from tools.context import ToolContext
 from tools.registry import ToolRegistry
 from tools.toolbox import Toolbox
@@ -68,7 +69,7 @@ class AgentService:
 
     def prepare(self, profile_name: str, messages: list[dict[str, Any]], principal: Principal, *,
                 limits: dict[str, Any] | None = None, on_event: Callable[[Event], None] | None = None,
-                run_id: str | None = None, hold_for_approval: bool = False, source: str = "agent",
+                run_id: str | None = None, hold_for_approval: bool = False, source: str = AGENT,
                 metadata: dict[str, Any] | None = None) -> tuple[AgentLoop, StoreRecorder]:
         """A loop ready to run, and its recorder (whose ``start`` must be awaited first). Only a run nobody waits
         on (``hold_for_approval``) may pause for a person; others are refused such calls."""

@@ -31,6 +31,7 @@ from gateway.keyed_lock import KeyedLock
 from replay import bot_messages, feedback
 from replay.records import Statement
 from replay.store import TrajectoryStore
+from replay.vocabulary import BOT
 
 log = structlog.get_logger()
 
@@ -128,7 +129,7 @@ class BotService:
         """A new conversation: a new run, and the conversation pointing at it, committed with the first turn."""
         loop, recorder = self.agents.prepare(
             profile, [{"role": "user", "content": message["text"]}], self.principal, hold_for_approval=True,
-            source="bot", metadata={"bot": {k: message[k] for k in ("platform", "conversation_id", "user_id")}})
+            source=BOT, metadata={"bot": {k: message[k] for k in ("platform", "conversation_id", "user_id")}})
         loop.cancelled_as = ("interrupted", None)
         run_id = loop.state.run_id
         async with self.agents.runs.hold(run_id):
