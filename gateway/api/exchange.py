@@ -23,7 +23,7 @@ from gateway.errors import APIError
 from gateway.protocol.chat import ChatCompletionRequest, ChunkAccumulator
 from gateway.routing import Target
 from replay import hashing
-from replay.records import CallRecord, TrajectoryRef, WriteOp, new_id
+from replay.records import CallRecord, Statement, TrajectoryRef, WriteOp, new_id
 
 log = structlog.get_logger()
 
@@ -140,7 +140,7 @@ async def open_exchange(request: Request, principal: Principal, body: dict[str, 
     return Exchange(principal, body, parsed, target, requested, ref, prefix, time.perf_counter())
 
 
-Statements = list[tuple[str, tuple[Any, ...]]]
+Statements = list[Statement]
 
 
 def as_api_error(exc: BackendError, exchange: Exchange) -> APIError:

@@ -35,7 +35,7 @@ from gateway.protocol.responses import (
 from gateway.protocol.sse import encode_named_event
 from gateway.streaming import EventStreamResponse
 from replay import stored_responses
-from replay.records import WriteOp, new_id
+from replay.records import Statement, WriteOp, new_id
 from replay.store import TrajectoryStore
 
 
@@ -55,13 +55,13 @@ class _Kept:
         self.trajectory_id = trajectory_id
         self.principal = principal
 
-    def _statement(self, response: dict[str, Any], trajectory_id: str | None) -> tuple[str, tuple[Any, ...]]:
+    def _statement(self, response: dict[str, Any], trajectory_id: str | None) -> Statement:
         # The history a continuation starts from: without this request's instructions, which do not carry over.
         messages = conversation_messages(self.chat_body, self.body) + output_to_chat_messages(response, self.tool_map)
         return stored_responses.statement(response, trajectory_id=trajectory_id,
                                                   tenant=self.principal.tenant, messages=messages)
 
-    def statements(self, response: dict[str, Any]) -> list[tuple[str, tuple[Any, ...]]]:
+    def statements(self, response: dict[str, Any]) -> list[Statement]:
         if not self.wanted or not self.principal.capture:
             return []
         return [self._statement(response, self.trajectory_id)]
@@ -103,7 +103,7 @@ async def create_response(request: Request) -> Response:
     exchange = await open_exchange(request, principal, chat_body, parsed, session_body=body)
     kept = _Kept(body, chat_body, tool_map, exchange.ref.id, principal)
     if not stream:
-        def statements_for(result: ChatResult) -> list[tuple[str, tuple[Any, ...]]]:
+        def statements_for(result: ChatResult) -> list[Statement]:
             return kept.statements(_translate(result.response))
 
         def _translate(completion: dict[str, Any]) -> dict[str, Any]:
