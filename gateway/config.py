@@ -99,6 +99,8 @@ class ProfileSettings(Section):
     keep_last_turns: int = Field(2, ge=0, description="Turns kept verbatim when summarizing.")
     temperature: float | None = Field(None, ge=0, le=2)
     max_tokens: int | None = Field(None, ge=1, description="Per model call.")
+    constrain_tool_calls: bool = Field(False, description="Once the model opens a <tool_call>, hold it to a call of "
+                                       "one of the offered tools with valid arguments (the embedded model only).")
 
 
 class CanarySettings(Section):

@@ -17,7 +17,8 @@ class Metrics:
         self.requests = Counter("harness_requests", "HTTP requests handled.", ["route", "status"], registry=r)
         self.latency = Histogram("harness_request_latency_seconds", "Time from request to last byte.",
                                  ["route"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("harness_time_to_first_token_seconds", "Streamed requests: time to first chunk.",
+        self.ttft = Histogram("harness_time_to_first_token_seconds",
+                              "Streamed requests: time to the first generated content or tool-call token.",
                               ["model"], buckets=_LATENCY_BUCKETS, registry=r)
         self.tokens = Counter("harness_tokens", "Tokens processed.", ["model", "kind"], registry=r)
         self.errors = Counter("harness_errors", "Errors returned, by OpenAI error type.", ["type"], registry=r)

@@ -50,7 +50,11 @@ class ModelCall:
     ttft_ms: float | None = None
     prompt_token_ids: list[int] | None = None
     completion_token_ids: list[list[int]] | None = None  # per choice
-    completion_logprobs: list[list[float]] | None = None  # per choice, of each completion token
+    # Per choice and completion token: the log-probability under the model itself (temperature 1, nothing masked:
+    # what KL and perplexity compare), and under the distribution it was sampled from (temperature, top-p,
+    # penalties, any grammar mask: what an importance ratio compares; 0 for a greedy choice).
+    completion_logprobs: list[list[float]] | None = None
+    completion_sampled_logprobs: list[list[float]] | None = None
 
     @property
     def messages(self) -> list[dict[str, Any]]:
@@ -73,7 +77,8 @@ class ModelCall:
                 "error": self.error, "request": self.request, "response": self.response,
                 "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "latency_ms": self.latency_ms, "ttft_ms": self.ttft_ms, "prompt_token_ids": self.prompt_token_ids,
-                "completion_token_ids": self.completion_token_ids, "completion_logprobs": self.completion_logprobs}
+                "completion_token_ids": self.completion_token_ids, "completion_logprobs": self.completion_logprobs,
+                "completion_sampled_logprobs": self.completion_sampled_logprobs}
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,7 +78,8 @@ async def _calls(db: aiosqlite.Connection, trajectory_id: str) -> list[ModelCall
             stream=bool(c["stream"]), error=c["error"], prompt_tokens=c["prompt_tokens"],
             completion_tokens=c["completion_tokens"], latency_ms=c["latency_ms"], ttft_ms=c["ttft_ms"],
             prompt_token_ids=unpack(c["prompt_token_ids"]), completion_token_ids=unpack(c["completion_token_ids"]),
-            completion_logprobs=unpack(c["completion_logprobs"])))
+            completion_logprobs=unpack(c["completion_logprobs"]),
+            completion_sampled_logprobs=unpack(c["completion_sampled_logprobs"])))
     return calls
 
 

@@ -70,7 +70,8 @@ class CallRecord:
     ttft_ms: float | None = None
     prompt_token_ids: list[int] | None = None
     completion_token_ids: list[list[int]] | None = None
-    completion_logprobs: list[list[float]] | None = None
+    completion_logprobs: list[list[float]] | None = None  # under the model itself
+    completion_sampled_logprobs: list[list[float]] | None = None  # under the distribution sampled from
     # Tool calls of this step: call_id, name, raw_arguments, parsed, repaired, valid, validation_error,
     # status, and where they ran, result and duration_ms.
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
@@ -104,6 +105,7 @@ def split_choices(rec: CallRecord) -> list[CallRecord]:
                                else rec.completion_tokens if i == 0 else 0),
             completion_token_ids=_pick(rec.completion_token_ids, i),
             completion_logprobs=_pick(rec.completion_logprobs, i),
+            completion_sampled_logprobs=_pick(rec.completion_sampled_logprobs, i),
         ))
     return out
 

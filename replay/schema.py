@@ -245,6 +245,11 @@ MIGRATIONS: list[str] = [
     INSERT INTO store_facts(name, value, set_at)
         SELECT 'keys_created', '1', MIN(created_at) FROM api_keys HAVING COUNT(*) > 0;
     """,
+    # 9: each completion token's log-probability under the distribution it was sampled from (temperature, top-p,
+    # penalties, grammar mask), beside ``completion_logprobs``, which is under the model itself.
+    """
+    ALTER TABLE model_calls ADD COLUMN completion_sampled_logprobs BLOB;
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)

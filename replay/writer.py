@@ -57,8 +57,8 @@ _UPSERT_TRAJECTORY = """
 _INSERT_CALL = """
     INSERT INTO model_calls(id, trajectory_id, seq, created_at, backend, model, adapter, stream, request_messages,
         tools_hash, params, response, response_messages, status, error, prompt_tokens, completion_tokens,
-        latency_ms, ttft_ms, prompt_token_ids, completion_token_ids, completion_logprobs)
-    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"""
+        latency_ms, ttft_ms, prompt_token_ids, completion_token_ids, completion_logprobs, completion_sampled_logprobs)
+    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"""
 
 _INSERT_TOOL_CALL = """
     INSERT INTO tool_calls(id, trajectory_id, step, call_id, name, raw_arguments, parsed, repaired, valid,
@@ -180,7 +180,7 @@ class Writer:
                 orjson.dumps(rec.params).decode(), orjson.dumps(response).decode() if response else None,
                 orjson.dumps(response_keys).decode(), rec.status, rec.error, rec.prompt_tokens,
                 rec.completion_tokens, rec.latency_ms, rec.ttft_ms, pack(rec.prompt_token_ids),
-                pack(rec.completion_token_ids), pack(rec.completion_logprobs),
+                pack(rec.completion_token_ids), pack(rec.completion_logprobs), pack(rec.completion_sampled_logprobs),
             ))
             tool_calls.extend(
                 (new_id(), ref.id, ref.seq, t["call_id"], t["name"], t["raw_arguments"], int(t["parsed"]),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 
-_LOCAL = ("torch", "transformers", "peft", "gguf", "safetensors")
+_LOCAL = ("torch", "transformers", "peft", "gguf", "safetensors", "llguidance")
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "local": _LOCAL,
     "train": (*_LOCAL, "tqdm", "matplotlib", "datasets"),  # [train] includes [local]

@@ -11,10 +11,11 @@ wrote them, all as captured (never re-tokenised text). One step:
    ``process_coef`` times the step's own process reward (the weighted per-step signals, e.g. validity and the
    illegal-action penalty, normalised over all the group's scored steps) is added, so the step that earned a
    reward gets the credit. Every completion token of a step carries its step's advantage.
-2. Loss per completion token: ``-min(ρA, clip(ρ, 1 - ε, 1 + ε)A) + β·KL`` where ``ρ = exp(log π - log π_rollout)``
-   against the captured log-probabilities and KL is the ``k3`` estimator ``exp(q - p) - (q - p) - 1`` against the
-   reference: the same model with the adapter switched off (the base). The batch's loss is the mean over all its
-   completion tokens (micro-batches weighted by their token share).
+2. Loss per completion token: ``-min(ρA, clip(ρ, 1 - ε, 1 + ε)A) + β·KL`` where ``ρ = exp(log π_T - log π_rollout)``
+   compares the policy at the rollout's temperature T with the log-probabilities the tokens were sampled with (as
+   captured), and KL is the ``k3`` estimator ``exp(q - p) - (q - p) - 1`` of the policy itself (temperature 1)
+   against the reference: the same model with the adapter switched off (the base). The batch's loss is the mean
+   over all its completion tokens (micro-batches weighted by their token share).
 3. AdamW on the LoRA parameters, gradients clipped to norm 1; ``updates_per_batch`` optimizer steps per batch.
 
 Every ``eval_every`` steps (and before the first) the adapter is saved as ``checkpoint-<step>/`` and validated.
@@ -24,8 +25,10 @@ reset); after ``max_rollbacks`` the run stops. The reward-hacking alarm stops th
 reward since the last validation rose by more than ``alarm_reward_rise`` over the interval before while the
 validation valid-call rate or success fell by more than ``alarm_drop``. The result is the best checkpoint.
 
-Log-probabilities are of the model at temperature 1 on both sides (the local backend captures them so), whatever
-temperature sampled the tokens. CUDA runs with bf16 autocast over float32 weights; CPU in float32.
+The embedded backend captures both log-probabilities of each token: under the distribution it was drawn from
+(temperature, top-p and any grammar mask; used for ρ, where only the temperature is reproduced: rollouts use top-p
+1) and under the model at temperature 1 (used for perplexity-like checks). CUDA runs with bf16 autocast over float32
+weights; CPU in float32.
 """
 
 from __future__ import annotations
@@ -66,9 +69,10 @@ class Sample:
 
     prompt_ids: list[int]
     completion_ids: list[int]
-    logprobs: list[float]  # of completion_ids under the rollout policy (temperature 1), as captured
+    logprobs: list[float]  # of completion_ids under the distribution the rollout sampled them from, as captured
     seq: int  # the model call's seq in its trajectory
     advantage: float = 0.0
+    temperature: float = 1.0  # the rollout's sampling temperature
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.completion_ids):
@@ -167,6 +171,7 @@ class RLBatch:
     mask: torch.Tensor  # [B, K]: 1 on completion tokens
     old_logprobs: torch.Tensor  # [B, K]
     advantages: torch.Tensor  # [B, K]
+    temperatures: torch.Tensor  # [B]
 
     @property
     def width(self) -> int:
@@ -174,7 +179,7 @@ class RLBatch:
 
     def to(self, device: torch.device | str) -> RLBatch:
         return RLBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.position_ids, self.targets,
-                                                 self.mask, self.old_logprobs, self.advantages)))
+                                                 self.mask, self.old_logprobs, self.advantages, self.temperatures)))
 
 
 def collate(samples: Sequence[Sample], pad_id: int) -> RLBatch:
@@ -195,15 +200,30 @@ def collate(samples: Sequence[Sample], pad_id: int) -> RLBatch:
         old[i, width - c:] = torch.tensor(s.logprobs)
         advantages[i, width - c:] = s.advantage
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    return RLBatch(ids, attention, positions, ids[:, length - width:], mask, old, advantages)
+    temperatures = torch.tensor([s.temperature for s in samples])
+    return RLBatch(ids, attention, positions, ids[:, length - width:], mask, old, advantages, temperatures)
+
+
+def _completion_logits(model: torch.nn.Module, batch: RLBatch) -> torch.Tensor:
+    return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                 logits_to_keep=batch.width + 1).logits[:, :-1].float()
+
+
+def _gather(logits: torch.Tensor, batch: RLBatch) -> torch.Tensor:
+    return -F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), reduction="none").view_as(
+        batch.old_logprobs)
 
 
 def token_logprobs(model: torch.nn.Module, batch: RLBatch) -> torch.Tensor:
-    """log p(target token | the tokens before it) for the batch's last ``width`` positions: [B, K]."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                   logits_to_keep=batch.width + 1).logits[:, :-1]
-    return -F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), reduction="none").view_as(
-        batch.old_logprobs)
+    """log p(target token | the tokens before it), temperature 1, for the batch's last ``width`` positions: [B, K]."""
+    return _gather(_completion_logits(model, batch), batch)
+
+
+def policy_logprobs(model: torch.nn.Module, batch: RLBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """From one forward pass: the log-probabilities at each sample's temperature (for the ratio), and at
+    temperature 1 (for the KL)."""
+    logits = _completion_logits(model, batch)
+    return _gather(logits / batch.temperatures[:, None, None], batch), _gather(logits, batch)
 
 
 @torch.no_grad()
@@ -223,13 +243,17 @@ class LossParts:
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
-                advantages: torch.Tensor, mask: torch.Tensor, *, clip: float, kl_coef: float) -> LossParts:
-    """The clipped surrogate plus the KL penalty, summed over the tokens ``mask`` marks (see the module doc)."""
+                advantages: torch.Tensor, mask: torch.Tensor, *, clip: float, kl_coef: float,
+                model_logprobs: torch.Tensor | None = None) -> LossParts:
+    """The clipped surrogate plus the KL penalty, summed over the tokens ``mask`` marks (see the module doc).
+
+    ``logprobs`` are the policy's at the rollout temperature; ``model_logprobs`` its own at temperature 1, which the
+    KL compares with the reference's (the same tensor when the rollout sampled at temperature 1)."""
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip, 1 + clip) * advantages
     surrogate = torch.minimum(unclipped, clipped)
-    delta = ref_logprobs - logprobs
+    delta = ref_logprobs - (logprobs if model_logprobs is None else model_logprobs)
     kl = torch.exp(delta) - delta - 1
     per_token = -(surrogate - kl_coef * kl)
     return LossParts(loss=(per_token * mask).sum(), tokens=int(mask.sum()), kl=float((kl.detach() * mask).sum()),
@@ -251,17 +275,17 @@ def update(model: PeftModel, samples: Sequence[Sample], optimizer: torch.optim.O
         batch = collate(ordered[start:start + batch_size], pad_id).to(device)
         seen += int(batch.attention_mask.sum())
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logprobs = token_logprobs(model, batch)
+            logprobs, own = policy_logprobs(model, batch)
             # Without a KL term the reference pass (a third of the step's work) would be thrown away.
-            reference = reference_logprobs(model, batch) if kl_coef else logprobs.detach()
+            reference = reference_logprobs(model, batch) if kl_coef else own.detach()
         parts = policy_loss(logprobs, batch.old_logprobs, reference, batch.advantages, batch.mask, clip=clip,
-                            kl_coef=kl_coef)
+                            kl_coef=kl_coef, model_logprobs=own)
         (parts.loss / total).backward()
         sums["loss"] += float(parts.loss.detach()) / total
         sums["kl"] += parts.kl
         sums["ratio"] += parts.ratio
         sums["clipped"] += parts.clipped
-        del logprobs, reference, parts
+        del logprobs, own, reference, parts
     torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -24,7 +24,9 @@ from pathlib import Path
 
 import structlog
 
+from gateway.backends.local.sampling import GREEDY_BELOW
 from gateway.config import Settings
+from replay.model import ModelCall
 from replay.records import WriteOp, new_id
 from replay.rewards import IN_FLIGHT, result_statements, score, signal_weights, step_limits, view_of
 from replay.store import TrajectoryStore
@@ -78,9 +80,12 @@ async def groups_from_store(store: TrajectoryStore, ids: list[str], rewards: Map
         if stored.base_model not in (None, base_model):
             stats.other_model += 1
             continue
-        samples = [Sample(c.prompt_token_ids, c.completion_token_ids[0], c.completion_logprobs[0], c.seq)
-                   for c in stored.steps
-                   if c.status == "ok" and c.prompt_token_ids and c.completion_token_ids and c.completion_logprobs]
+        samples = []
+        for c in stored.steps:
+            sampled = _sampled(c) if c.status == "ok" and c.prompt_token_ids and c.completion_token_ids else None
+            if sampled is not None:
+                samples.append(Sample(c.prompt_token_ids, c.completion_token_ids[0], sampled[0], c.seq,
+                                      temperature=sampled[1]))
         if not samples:
             stats.without_logprobs += 1
             continue
@@ -106,6 +111,21 @@ async def groups_from_store(store: TrajectoryStore, ids: list[str], rewards: Map
             groups.append(Group(key=key, trajectories=trajectories, task_id=task_of[key]))
     stats.groups = len(groups)
     return groups, stats
+
+
+def _sampled(call: ModelCall) -> tuple[list[float], float] | None:
+    """The first choice's log-probabilities under the distribution it was sampled from, and the temperature; None
+    when they were not captured, or the call was greedy (no distribution to weigh an update against)."""
+    temperature = call.request.get("temperature")
+    temperature = 1.0 if temperature is None else float(temperature)
+    if temperature < GREEDY_BELOW:
+        return None
+    if call.completion_sampled_logprobs:
+        return call.completion_sampled_logprobs[0], temperature
+    # Captured before both were kept: the model's own log-probabilities are the sampled ones only at temperature 1.
+    if call.completion_logprobs and temperature == 1.0:
+        return call.completion_logprobs[0], temperature
+    return None
 
 
 class TaskPicker:

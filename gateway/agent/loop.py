@@ -74,6 +74,7 @@ class Profile:
     keep_last_turns: int = 2
     temperature: float | None = None
     max_tokens: int | None = None
+    constrain_tool_calls: bool = False
 
 
 @dataclass
@@ -311,6 +312,8 @@ class AgentLoop:
         body: dict[str, Any] = {"model": self.profile.model, "messages": list(self.state.messages)}
         if tools:
             body["tools"] = tools
+            if self.profile.constrain_tool_calls:
+                body["constrain_tool_calls"] = True
         if self.profile.temperature is not None:
             body["temperature"] = self.profile.temperature
         if self.profile.max_tokens is not None:

@@ -60,6 +60,7 @@ class StoreRecorder:
                 prompt_token_ids=getattr(extras, "prompt_token_ids", None),
                 completion_token_ids=getattr(extras, "completion_token_ids", None),
                 completion_logprobs=getattr(extras, "completion_logprobs", None),
+                completion_sampled_logprobs=getattr(extras, "completion_sampled_logprobs", None),
                 tool_calls=[{"call_id": c.id, "name": c.name, "raw_arguments": c.raw_arguments, "parsed": c.parsed,
                              "repaired": c.repaired, "valid": c.valid, "validation_error": c.error,
                              "status": o.status, "result": o.output, "duration_ms": o.duration_ms}

@@ -36,7 +36,7 @@ def profile_from_settings(p: ProfileSettings) -> Profile:
     return Profile(name=p.name, model=p.model, system_prompt=p.system_prompt, tools=list(p.tools),
                    limits=Limits(**{k: getattr(p, k) for k in LIMIT_KEYS}),
                    context_budget_tokens=p.context_budget_tokens, keep_last_turns=p.keep_last_turns,
-                   temperature=p.temperature, max_tokens=p.max_tokens)
+                   temperature=p.temperature, max_tokens=p.max_tokens, constrain_tool_calls=p.constrain_tool_calls)
 
 
 class AgentService:

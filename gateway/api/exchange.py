@@ -20,7 +20,7 @@ from gateway.agent.validation import function_schemas
 from gateway.auth import Principal
 from gateway.backends.base import Backend, BackendError, ChatRequest, ChatResult, ChunkStream
 from gateway.errors import APIError
-from gateway.protocol.chat import ChatCompletionRequest, ChunkAccumulator
+from gateway.protocol.chat import ChatCompletionRequest, ChunkAccumulator, carries_output
 from gateway.routing import Target
 from replay import hashing
 from replay.records import CallRecord, Statement, TrajectoryRef, WriteOp, new_id
@@ -112,6 +112,7 @@ class Exchange:
             prompt_token_ids=getattr(result_extras, "prompt_token_ids", None),
             completion_token_ids=getattr(result_extras, "completion_token_ids", None),
             completion_logprobs=getattr(result_extras, "completion_logprobs", None),
+            completion_sampled_logprobs=getattr(result_extras, "completion_sampled_logprobs", None),
         )
 
 
@@ -266,10 +267,13 @@ class Relay:
         template: dict[str, Any] = {}
         try:
             async for chunk in self.stream:
-                if self._ttft_ms is None:
+                if not template:
+                    template = chunk
+                if self._ttft_ms is None and carries_output(chunk):
+                    # Every backend's time to first token, measured here alone: the first generated output,
+                    # never an empty role chunk a backend sends before it has computed anything.
                     self._ttft_ms = (time.perf_counter() - exchange.started) * 1000
                     gateway.metrics.ttft.labels(exchange.parsed.model).observe(self._ttft_ms / 1000)
-                    template = chunk
                 self.acc.add(chunk)
                 choices = chunk.get("choices")
                 if not choices and chunk.get("usage") and not self.include_usage:

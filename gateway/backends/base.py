@@ -26,7 +26,9 @@ class CallExtras:
 
     prompt_token_ids: list[int] | None = None
     completion_token_ids: list[list[int]] | None = None  # one list per choice
-    completion_logprobs: list[list[float]] | None = None  # one list per choice, aligned with the ids
+    completion_logprobs: list[list[float]] | None = None  # per choice, aligned with the ids: under the model itself
+    # Per choice, under the distribution each token was drawn from (temperature, top-p, penalties, grammar mask).
+    completion_sampled_logprobs: list[list[float]] | None = None
 
 
 @dataclass

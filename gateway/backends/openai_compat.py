@@ -94,7 +94,12 @@ class OpenAICompatBackend:
         return request.model
 
     def _body(self, request: ChatRequest, stream: bool) -> dict[str, Any]:
+        if request.body.get("constrain_tool_calls"):
+            raise BackendError(f"constrain_tool_calls is supported by the embedded model only, not by backend "
+                               f"{self.name!r}", status_code=400, error_type="invalid_request_error",
+                               param="constrain_tool_calls", code="unsupported_parameter")
         body = {**request.body, "model": self.upstream_model(request), "stream": stream}
+        body.pop("constrain_tool_calls", None)
         if stream:
             # Usage is always asked for so it can be recorded; the gateway hides it from clients that did not ask.
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}

@@ -115,6 +115,13 @@ def request_error(err: Mapping[str, Any], param: str | None) -> APIError:
     return APIError(400, f"Invalid value for '{param}': {err['msg']}", param=param, code="invalid_value")
 
 
+def carries_output(chunk: dict[str, Any]) -> bool:
+    """Whether a chunk holds generated output (content, reasoning, a refusal or a tool call), not only a role, a
+    finish or usage: the first such chunk is what time to first token measures."""
+    return any(delta.get("content") or delta.get("reasoning_content") or delta.get("refusal") or delta.get("tool_calls")
+               for c in chunk.get("choices") or () if isinstance(delta := c.get("delta"), dict))
+
+
 class ChunkAccumulator:
     """Folds a stream of ``chat.completion.chunk`` dicts into the ``chat.completion`` it describes."""
 

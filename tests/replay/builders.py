@@ -68,6 +68,7 @@ async def write(store: TrajectoryStore, calls: list[tuple[list[dict[str, Any]], 
             prompt_token_ids=list(range(seq, seq + 10)) if token_ids else None,
             completion_token_ids=[[100 + seq, 101 + seq]] if token_ids and reply else None,
             completion_logprobs=[[-0.5, -0.25]] if logprobs and token_ids and reply else None,
+            completion_sampled_logprobs=[[-0.4, -0.2]] if logprobs and token_ids and reply else None,
             tool_calls=tool_rows[seq] if tool_rows else [], created_at=when))
     statements = [("UPDATE trajectories SET status = COALESCE(?, status), termination_reason = ?, final_reward = ?, "
                    "task_id = ?, metadata = ?, adapter = COALESCE(?, adapter) WHERE id = ?",

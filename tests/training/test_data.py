@@ -25,6 +25,7 @@ from gateway.backends.local import LocalBackend
 from gateway.config import BackendSettings, Settings
 from gateway.prompting import encode_prompt, hermes_tool_call_text
 from replay.filters import Filters
+from tests.gateway.backends.conftest import script as _script
 from tests.replay import builders
 from training import data, general_data
 from training.data import (
@@ -193,17 +194,6 @@ async def test_store_rows_count_recovered_rendered_too_long_and_excluded(
 
 
 # -- render equality with what the local backend served ------------------------------------------------
-
-
-def _script(backend: LocalBackend, token_ids: list[int]) -> None:
-    """Make the engine emit ``token_ids`` in order instead of sampling (the tiny model cannot write a tool call)."""
-    engine = backend._engine
-    assert engine is not None
-
-    def choose(logits: Any) -> tuple[list[int], list[float]]:
-        return [token_ids[len(row.token_ids)] for row in engine._rows], [-0.5] * len(engine._rows)
-
-    engine._choose = choose  # type: ignore[method-assign]
 
 
 def _ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:

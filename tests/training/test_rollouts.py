@@ -98,7 +98,9 @@ async def test_groups_from_the_store_count_what_they_cannot_use_and_credit_each_
     assert by_id[solved].success == 1.0 and by_id[failed].success == 0.0
     assert by_id[solved].reward > by_id[failed].reward
     assert [s.seq for s in by_id[solved].samples] == [0, 1]
-    assert by_id[solved].samples[0].completion_ids == [100, 101] and by_id[solved].samples[0].logprobs == [-0.5, -0.25]
+    # the importance ratio's side: the log-probabilities the tokens were sampled with, at the call's temperature
+    first = by_id[solved].samples[0]
+    assert first.completion_ids == [100, 101] and first.logprobs == [-0.4, -0.2] and first.temperature == 0.5
     # The step with the valid call earns validity; the one with the invalid call pays the penalty.
     assert by_id[solved].step_rewards[0] > 0 > by_id[failed].step_rewards[0]
     assert 1 not in by_id[solved].step_rewards  # the answer called no tool: nothing to credit

@@ -1,6 +1,8 @@
-"""The embedded model: ``backend`` (the asyncio facade), ``engine`` (batching on its own thread), ``adapters``,
-``sampling`` and ``text`` (incremental detokenization and stop strings)."""
+"""The embedded model: ``backend`` (the asyncio facade), ``request`` (the parameters it honours), ``engine``
+(batching on its own thread), ``grammar`` (constrained decoding), ``sampling``, ``text`` (incremental
+detokenization and stops), ``replies`` (OpenAI completions and chunks) and ``adapters``."""
 
-from gateway.backends.local.backend import LocalBackend, LocalChunkStream
+from gateway.backends.local.backend import LocalBackend
+from gateway.backends.local.replies import LocalChunkStream
 
 __all__ = ["LocalBackend", "LocalChunkStream"]

@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 import structlog
 import torch
 
-from gateway.agent.parsing import ToolCallStreamFilter, parse_tool_calls
 from gateway.backends.base import (
     AdapterNotLoaded,
     BackendError,
@@ -35,29 +33,25 @@ from gateway.backends.base import (
     ChatResult,
 )
 from gateway.backends.local.adapters import Adapter, lora_config
-from gateway.backends.local.engine import Engine, Event, Failure, Finish, Job, Token
+from gateway.backends.local.engine import Engine, Event, Job, Token
+from gateway.backends.local.grammar import answer_schema, output_grammar
+from gateway.backends.local.replies import (
+    Events,
+    LocalChunkStream,
+    Prepared,
+    completion_id,
+    events,
+    final_message,
+    logprobs_of,
+    usage,
+)
+from gateway.backends.local.request import check_parameters, tools_for
 from gateway.backends.local.sampling import SamplingParams, invalid_request
 from gateway.backends.local_model import LoadedModel, ModelLoadError, load_model
 from gateway.config import BackendSettings
 from gateway.prompting import encode_prompt
 
 log = structlog.get_logger()
-
-
-@dataclass(frozen=True)
-class _Cancelled:
-    """Posted by the request itself so a consumer blocked on the queue wakes up and ends."""
-
-
-_Events = asyncio.Queue[list[Event | _Cancelled]]  # one request's events, in the engine's lists per step
-
-
-@dataclass(frozen=True)
-class _Prepared:
-    prompt_ids: list[int]
-    params: SamplingParams
-    tools_enabled: bool
-    adapter: str | None = None  # the name the request gave
 
 
 class LocalBackend:
@@ -238,31 +232,44 @@ class LocalBackend:
             raise AdapterNotLoaded(f"adapter {name!r} is not loaded on backend {self.name!r}", adapter=name)
         return adapter
 
-    async def _prepare(self, request: ChatRequest) -> _Prepared:
+    async def _prepare(self, request: ChatRequest) -> Prepared:
         self._adapter(request.adapter)  # fail fast; _submit resolves it again after the awaits below
+        engine = self._running_engine()
         body = request.body
+        check_parameters(body)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise invalid_request("messages must be a non-empty list", "messages")
         params = SamplingParams.from_body(body)
-        tools = _tools_for(body)
-        try:
-            prompt_ids = await asyncio.to_thread(encode_prompt, self.loaded.tokenizer, messages, tools)
-        except Exception as exc:  # a template raising means the caller's messages are malformed
-            raise invalid_request(f"cannot render the messages: {exc}", "messages") from exc
+        tools, calls = tools_for(body)
+        parallel = body.get("parallel_tool_calls") is not False
+        answer = answer_schema(body.get("response_format"))
+
+        def render() -> tuple[list[int], str | None]:
+            grammar = output_grammar(answer=answer, tools=tools, calls=calls, parallel=parallel)
+            if params.logprobs or grammar is not None:
+                engine.grammar_tokenizer  # noqa: B018 - built here, off the event loop and the engine thread
+            try:
+                return encode_prompt(self.loaded.tokenizer, messages, tools), grammar
+            except Exception as exc:  # a template raising means the caller's messages are malformed
+                raise invalid_request(f"cannot render the messages: {exc}", "messages") from exc
+
+        prompt_ids, grammar = await asyncio.to_thread(render)
         limit = self.loaded.context_length
         if len(prompt_ids) >= limit:
             raise invalid_request(f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit} tokens",
                                   "messages", "context_length_exceeded")
-        return _Prepared(prompt_ids, params, bool(tools), request.adapter)
+        params = replace(params, grammar=grammar, tool_stop=("last" if parallel else "first") if tools else None)
+        return Prepared(prompt_ids, params, bool(tools), request.adapter,
+                         engine.grammar_tokenizer if params.logprobs else None)
 
-    def _submit(self, prepared: _Prepared) -> tuple[Job, _Events]:
+    def _submit(self, prepared: Prepared) -> tuple[Job, Events]:
         engine = self._running_engine()
         # Resolved here, synchronously with the append below, so an unload that pops the name after this
         # point finds the job in the inbox and waits for it.
         adapter = self._adapter(prepared.adapter)
         loop = asyncio.get_running_loop()
-        queue: _Events = asyncio.Queue()
+        queue: Events = asyncio.Queue()
 
         def deliver(events: list[Event]) -> None:
             with suppress(RuntimeError):  # the loop is gone: nobody is waiting any more
@@ -277,29 +284,30 @@ class LocalBackend:
         prepared = await self._prepare(request)
         job, queue = self._submit(prepared)
         n = prepared.params.n
-        ids: list[list[int]] = [[] for _ in range(n)]
-        logprobs: list[list[float]] = [[] for _ in range(n)]
-        texts: list[list[str]] = [[] for _ in range(n)]
+        tokens: list[list[Token]] = [[] for _ in range(n)]
         reasons: list[str | None] = [None] * n
         try:
-            async for event in _events(job, queue):
+            async for event in events(job, queue):
                 if isinstance(event, Token):
-                    ids[event.index].append(event.token_id)
-                    logprobs[event.index].append(event.logprob)
-                    texts[event.index].append(event.text)
+                    tokens[event.index].append(event)
                 else:
                     reasons[event.index] = event.reason
         finally:
             job.cancelled = True  # stops the work if this task was cancelled; harmless when done
         choices = []
         for i in range(n):
-            message, reason = _final_message("".join(texts[i]), reasons[i] or "stop", prepared.tools_enabled)
-            choices.append({"index": i, "message": message, "finish_reason": reason, "logprobs": None})
+            message, reason = final_message("".join(t.text for t in tokens[i]), reasons[i] or "stop",
+                                             prepared.tools_enabled)
+            choices.append({"index": i, "message": message, "finish_reason": reason,
+                            "logprobs": logprobs_of(prepared.token_bytes, tokens[i])})
+        ids = [[t.token_id for t in seq] for seq in tokens]
         response = {
-            "id": _completion_id(), "object": "chat.completion", "created": int(time.time()),
-            "model": request.model, "choices": choices, "usage": _usage(prepared.prompt_ids, ids),
+            "id": completion_id(), "object": "chat.completion", "created": int(time.time()),
+            "model": request.model, "choices": choices, "usage": usage(prepared.prompt_ids, ids),
         }
-        return ChatResult(response=response, extras=CallExtras(prepared.prompt_ids, ids, logprobs))
+        return ChatResult(response=response, extras=CallExtras(
+            prepared.prompt_ids, ids, [[t.logprob for t in seq] for seq in tokens],
+            [[t.sampled_logprob for t in seq] for seq in tokens]))
 
     async def stream(self, request: ChatRequest) -> LocalChunkStream:
         prepared = await self._prepare(request)
@@ -315,119 +323,3 @@ def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | No
         future.set_result(result)
 
 
-async def _events(job: Job, queue: _Events) -> AsyncIterator[Token | Finish]:
-    """The job's tokens and finishes until every sequence has finished; failures are raised."""
-    unfinished = job.params.n
-    while unfinished:
-        for event in await queue.get():
-            if isinstance(event, Failure):
-                raise event.error
-            if isinstance(event, _Cancelled):
-                return
-            if isinstance(event, Finish):
-                unfinished -= 1
-            yield event
-
-
-def _tools_for(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """The tools the prompt offers, after ``tool_choice``: none, all, or the one named."""
-    tools = body.get("tools") or None
-    if tools is not None and not isinstance(tools, list):
-        raise invalid_request("tools must be a list", "tools")
-    choice = body.get("tool_choice")
-    if not tools or choice == "none":
-        return None
-    if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
-        named = [t for t in tools if (t.get("function") or {}).get("name") == name]
-        if not named:
-            raise invalid_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
-        return named
-    return tools
-
-
-def _final_message(text: str, reason: str, tools_enabled: bool) -> tuple[dict[str, Any], str]:
-    """The choice's message and finish reason. A generation cut off by the length limit keeps
-    ``length`` even when it holds calls, so a client never executes a call that was truncated."""
-    if not tools_enabled:
-        return {"role": "assistant", "content": text}, reason
-    parsed = parse_tool_calls(text)
-    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-    if not parsed.calls:
-        return message, reason
-    message["tool_calls"] = parsed.tool_calls
-    return message, "tool_calls" if reason == "stop" else reason
-
-
-def _completion_id() -> str:
-    return f"chatcmpl-{secrets.token_hex(12)}"
-
-
-def _usage(prompt_ids: list[int], completions: list[list[int]]) -> dict[str, int]:
-    completion = sum(len(ids) for ids in completions)
-    return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
-            "total_tokens": len(prompt_ids) + completion}
-
-
-class LocalChunkStream:
-    """OpenAI ``chat.completion.chunk`` dicts for one streamed request (see ``ChunkStream``)."""
-
-    def __init__(self, job: Job, queue: _Events, prepared: _Prepared, model: str) -> None:
-        n = prepared.params.n
-        self.extras = CallExtras(prepared.prompt_ids, [[] for _ in range(n)], [[] for _ in range(n)])
-        self._job = job
-        self._queue = queue
-        self._prepared = prepared
-        self._header = {"id": _completion_id(), "object": "chat.completion.chunk",
-                        "created": int(time.time()), "model": model}
-        self._chunks = self._generate()
-
-    def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
-        return self._chunks
-
-    async def aclose(self) -> None:
-        self._job.cancelled = True
-        self._queue.put_nowait([_Cancelled()])
-        # Fails only while another task is inside the generator; the sentinel above ends that one.
-        with suppress(RuntimeError):
-            await self._chunks.aclose()
-
-    def _chunk(self, index: int, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-        return {**self._header, "choices": [
-            {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
-
-    async def _generate(self) -> AsyncIterator[dict[str, Any]]:
-        n = self._prepared.params.n
-        filters = [ToolCallStreamFilter() if self._prepared.tools_enabled else None for _ in range(n)]
-        ids, logprobs = self.extras.completion_token_ids, self.extras.completion_logprobs
-        assert ids is not None and logprobs is not None
-        try:
-            for i in range(n):
-                yield self._chunk(i, {"role": "assistant", "content": ""})
-            async for event in _events(self._job, self._queue):
-                i = event.index
-                if isinstance(event, Token):
-                    ids[i].append(event.token_id)
-                    logprobs[i].append(event.logprob)
-                    text = filters[i].feed(event.text) if filters[i] else event.text
-                    if text:
-                        yield self._chunk(i, {"content": text})
-                    continue
-                reason = event.reason
-                if filters[i] is not None:
-                    tail, parsed = filters[i].finish()
-                    if tail:
-                        yield self._chunk(i, {"content": tail})
-                    for k, call in enumerate(parsed.calls):
-                        yield self._chunk(i, {"tool_calls": [{"index": k, "id": call.id, "type": "function",
-                                                              "function": {"name": call.name, "arguments": ""}}]})
-                        yield self._chunk(i, {"tool_calls": [{"index": k,
-                                                              "function": {"arguments": call.arguments}}]})
-                    if parsed.calls and reason == "stop":
-                        reason = "tool_calls"
-                yield self._chunk(i, {}, reason)
-            if self._job.cancelled:
-                return
-            yield {**self._header, "choices": [], "usage": _usage(self._prepared.prompt_ids, ids)}
-        finally:
-            self._job.cancelled = True

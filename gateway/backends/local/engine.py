@@ -33,11 +33,13 @@ from transformers import DynamicCache
 
 from gateway.backends.base import AdapterNotLoaded, BackendError
 from gateway.backends.local.adapters import Adapter, LoraModel
-from gateway.backends.local.sampling import SamplingParams, choose, generators
+from gateway.backends.local.grammar import Masks, matcher, tokenizer_for
+from gateway.backends.local.sampling import Choice, SamplingParams, choose, generators, shape_logits
 from gateway.backends.local.text import TextTracker
 from gateway.backends.local_model import LoadedModel
 
 if TYPE_CHECKING:
+    from llguidance import LLMatcher, LLTokenizer
     from peft import LoraConfig, PeftModel
 
 log = structlog.get_logger()
@@ -56,8 +58,10 @@ class Op:
 class Token:
     index: int
     token_id: int
-    logprob: float
+    logprob: float  # under the model (temperature 1, nothing masked)
+    sampled_logprob: float  # under the distribution it was drawn from (see ``sampling.Choice``)
     text: str  # newly releasable text; "" while a character or possible stop string is incomplete
+    top: tuple[tuple[int, float], ...] = ()  # the model's likeliest tokens here, when asked for
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,7 @@ class _Sequence:
     index: int
     generator: torch.Generator
     text: TextTracker
+    matcher: LLMatcher | None = None  # what the output must match, when the job is constrained
     token_ids: list[int] = field(default_factory=list)
 
 
@@ -126,6 +131,8 @@ class Engine:
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None  # [rows, cached positions], 0 on left padding
         self._logits: torch.Tensor | None = None  # [rows, vocab]: next-token logits of each row
+        self._grammar_tokenizer: LLTokenizer | None = None  # built for the first constrained job (~0.3 s)
+        self._masks: Masks | None = None
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; the next ``run`` admits it, at the next step of a running batch."""
@@ -269,7 +276,8 @@ class Engine:
                             past_key_values=cache, use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1, :].float()
         # The n samples of a job share its prompt: prefill it once, then copy its row.
-        rows = [_Sequence(job, i, generator, TextTracker(self.tokenizer, job.params.stop))
+        rows = [_Sequence(job, i, generator, TextTracker(self.tokenizer, job.params.stop, job.params.tool_stop),
+                          self._matcher(job.params.grammar))
                 for job in jobs for i, generator in enumerate(generators(job.params))]
         if len(rows) != len(jobs):
             repeat = torch.tensor([k for k, job in enumerate(jobs) for _ in range(job.params.n)])
@@ -296,14 +304,15 @@ class Engine:
     def _advance(self) -> None:
         """Sample a token for every row, hand it out, drop finished rows, run the next forward pass."""
         assert self._logits is not None and self._mask is not None and self._cache is not None
-        tokens, logprobs = self._choose(self._logits)
+        choices = self._choose(self._logits)
         events: dict[Job, list[Event]] = {}
         keep: list[int] = []
         for i, row in enumerate(self._rows):
             job = row.job
             if job.cancelled:
                 continue
-            token = tokens[i]
+            choice = choices[i]
+            token = choice.token
             row.token_ids.append(token)
             reason = None
             if token in self.stop_token_ids and not job.params.ignore_eos:
@@ -311,11 +320,13 @@ class Engine:
             else:
                 text, stopped = row.text.push(token)
                 reason = "stop" if stopped else None
+            if reason is None and row.matcher is not None and self._grammar_done(row.matcher, token):
+                text, reason = text + row.text.flush(), "stop"
             if reason is None and (len(row.token_ids) >= job.params.max_tokens
                                    or len(job.prompt_ids) + len(row.token_ids) >= self.context_length):
                 text, reason = text + row.text.flush(), "length"
             batch = events.setdefault(job, [])
-            batch.append(Token(row.index, token, logprobs[i], text))
+            batch.append(Token(row.index, token, choice.logprob, choice.sampled_logprob, text, choice.top))
             if reason is None:
                 keep.append(i)
             else:
@@ -326,7 +337,7 @@ class Engine:
             self._select(keep)
         if not self._rows:
             return
-        step = torch.tensor([[tokens[i]] for i in keep])
+        step = torch.tensor([[choices[i].token] for i in keep])
         self._mask = F.pad(self._mask, (0, 1), value=1)
         out = self._forward([row.job.adapter for row in self._rows], input_ids=step, attention_mask=self._mask,
                             position_ids=self._mask.sum(-1, keepdim=True) - 1,
@@ -348,7 +359,44 @@ class Engine:
         ], config=self.base_model.config)
         self._mask, self._logits = mask[:, start:], logits
 
-    def _choose(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    def _choose(self, logits: torch.Tensor) -> list[Choice]:
         # A method of its own so tests can script the tokens (the tiny random model writes no tool calls).
-        return choose(logits, [(row.job.params, row.generator) for row in self._rows])
+        return choose(logits, self._shaped(logits), [(row.job.params, row.generator) for row in self._rows])
+
+    # -- what the sampled distribution is drawn from ---------------------------------------------
+
+    def _shaped(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits to sample from: penalties and biases applied, and each constrained row's grammar mask."""
+        constrained = [(i, row.matcher) for i, row in enumerate(self._rows) if row.matcher is not None]
+        shaping = [i for i, row in enumerate(self._rows) if row.job.params.shapes_logits]
+        if not constrained and not shaping:
+            return logits
+        shaped = logits.clone()
+        for i in shaping:
+            shaped[i] = shape_logits(logits[i], self._rows[i].job.params, self._rows[i].token_ids)
+        if constrained:
+            if self._masks is None:
+                self._masks = Masks(logits.shape[-1])
+            self._masks.apply(shaped, constrained)
+        return shaped
+
+    @property
+    def grammar_tokenizer(self) -> LLTokenizer:
+        """The grammar engine's tokenizer (each token's bytes), built on first use from either thread: a race
+        builds it twice, harmlessly."""
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = tokenizer_for(self.tokenizer, self.base_model.config.vocab_size,
+                                                    self.stop_token_ids)
+        return self._grammar_tokenizer
+
+    def _matcher(self, grammar: str | None) -> LLMatcher | None:
+        return None if grammar is None else matcher(self.grammar_tokenizer, grammar)
+
+    @staticmethod
+    def _grammar_done(row_matcher: LLMatcher, token: int) -> bool:
+        """Advance the grammar by ``token``; whether the output is complete (nothing but the end may follow)."""
+        if not row_matcher.consume_token(token):  # only a token chosen around the mask (a scripted test) fails
+            log.warning("local.grammar_rejected", token=token, error=row_matcher.get_error()[:200])
+            return True
+        return row_matcher.is_stopped()
 

@@ -6,7 +6,6 @@ import asyncio
 import json
 import shutil
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from gateway.backends.local_model import (
 )
 from gateway.config import BackendSettings
 from gateway.prompting import encode_prompt
+from tests.gateway.backends.conftest import script as _script
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -43,15 +43,6 @@ def _req(body: dict[str, Any]) -> ChatRequest:
     return ChatRequest(body=body, model="tiny")
 
 
-@pytest.fixture
-async def backend(tiny_model_dir: Path) -> AsyncIterator[LocalBackend]:
-    b = LocalBackend(BackendSettings(name="local", kind="local", model_path=str(tiny_model_dir),
-                                     batch_wait_ms=20, max_batch_size=8))
-    await b.start()
-    yield b
-    await b.aclose()
-
-
 def _ids(result: ChatResult, choice: int = 0) -> list[int]:
     assert result.extras.completion_token_ids is not None
     return result.extras.completion_token_ids[choice]
@@ -59,18 +50,6 @@ def _ids(result: ChatResult, choice: int = 0) -> list[int]:
 
 def _content(result: ChatResult, choice: int = 0) -> str:
     return result.response["choices"][choice]["message"]["content"]
-
-
-def _script(backend: LocalBackend, token_ids: list[int]) -> None:
-    """Make every sequence emit ``token_ids`` in order instead of sampling (the tiny model cannot write
-    tool calls or end a turn on its own)."""
-    engine = backend._engine
-    assert engine is not None
-
-    def choose(logits: Any) -> tuple[list[int], list[float]]:
-        return [token_ids[len(row.token_ids)] for row in engine._rows], [-0.5] * len(engine._rows)
-
-    engine._choose = choose  # type: ignore[method-assign]
 
 
 async def test_chat_response_shape_and_recorded_ids(backend: LocalBackend,
