@@ -287,3 +287,13 @@ async def test_tools_needing_approval_are_refused_not_run(store) -> None:
     assert ran == []
     assert "needs a person's approval" in _tool_messages(state)[0]["content"]
     assert state.status == "completed"
+
+
+async def test_a_profile_that_constrains_tool_calls_asks_the_backend_for_it(store) -> None:
+    box = Box({"get_weather": (WEATHER, lambda args: asyncio.sleep(0, {"temp_c": 21}))})
+    profile = Profile(name="t", model="scripted-model", tools=list(box.tools), constrain_tool_calls=True)
+    _, backend, _ = await run_agent(store, [call("get_weather", {"city": "Paris"}), "Done."], box=box,
+                                    profile=profile)
+    assert all(r["constrain_tool_calls"] is True for r in backend.requests)
+    _, plain, _ = await run_agent(store, ["Done."], box=box)
+    assert "constrain_tool_calls" not in plain.requests[0]

@@ -56,3 +56,15 @@ def test_accumulator_rebuilds_text_and_tool_calls() -> None:
     assert choice["message"]["content"] == "Hello"
     assert choice["message"]["tool_calls"] == [
         {"id": "call_a", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]
+
+
+def test_time_to_first_token_counts_generated_output_only() -> None:
+    from gateway.protocol.chat import carries_output
+
+    def chunk(delta: dict, **choice: object) -> dict:
+        return {"choices": [{"index": 0, "delta": delta, **choice}]}
+
+    assert not carries_output(chunk({"role": "assistant", "content": ""}))
+    assert not carries_output(chunk({}, finish_reason="stop")) and not carries_output({"choices": [], "usage": {}})
+    assert carries_output(chunk({"content": "Hi"})) and carries_output(chunk({"reasoning_content": "hm"}))
+    assert carries_output(chunk({"tool_calls": [{"index": 0, "function": {"name": "f"}}]}))
