@@ -50,7 +50,8 @@ from tqdm import tqdm
 
 from gateway.config import RLSettings
 from training.metrics import rank
-from training.sft import SFTConfig, append_jsonl, seed_everything, smooth, wrap_lora
+from training.plots import plot_rl
+from training.sft import SFTConfig, append_jsonl, seed_everything, wrap_lora
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -492,40 +493,3 @@ def _restore(model: PeftModel, folder: Path) -> None:
 
     device = next(p.device for p in model.parameters() if p.requires_grad)
     set_peft_model_state_dict(model, load_peft_weights(str(folder), device=str(device)))
-
-
-def plot_rl(result: RLResult, path: Path) -> None:
-    """Training reward, KL to the base and the validation metrics per step, as a PNG."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(13, 4), dpi=100)
-    FigureCanvasAgg(figure)
-    reward_axes, kl_axes, validation_axes = figure.subplots(1, 3)
-    steps = [h["step"] for h in result.history if h.get("reward") is not None]
-    rewards = [h["reward"] for h in result.history if h.get("reward") is not None]
-    reward_axes.plot(steps, rewards, alpha=0.4, label="mean reward")
-    if rewards:
-        reward_axes.plot(steps, smooth(rewards, 0.7), label="smoothed")
-    reward_axes.set_title("training reward")
-    reward_axes.legend(fontsize=8)
-    kl = [(h["step"], h["kl"]) for h in result.history if "kl" in h]
-    kl_axes.plot([s for s, _ in kl], [v for _, v in kl])
-    kl_axes.set_title("KL to the base model")
-    marks = {"rollback": "v", "alarm": "X", "stop": "X"}
-    for metric in ("success_rate", "valid_call_rate"):
-        points = [(v["step"], v["metrics"].get(metric) or 0.0) for v in result.validations]
-        validation_axes.plot([s for s, _ in points], [v for _, v in points], marker="o", label=metric)
-    for v in result.validations:
-        if v["action"] in marks:
-            validation_axes.axvline(v["step"], color="red", alpha=0.3)
-            validation_axes.plot([v["step"]], [v["metrics"].get("success_rate") or 0.0], marks[v["action"]],
-                                 color="red", label=v["action"])
-    validation_axes.set_ylim(0, 1)
-    validation_axes.set_title("validation")
-    validation_axes.legend(fontsize=8)
-    for axes in (reward_axes, kl_axes, validation_axes):
-        axes.set_xlabel("step")
-        axes.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path)

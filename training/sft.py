@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 from gateway.backends.local_model import LoadedModel, load_model
 from training.data import IGNORE, Batch, Example, label_logits, pad_batch
+from training.plots import plot_loss
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -279,32 +280,3 @@ def _checkpoint(model: PeftModel, out_dir: Path, step: int, validate: Validate |
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     with path.open("a", encoding="utf-8") as fh:
         fh.write(json.dumps(record, default=str) + "\n")
-
-
-def smooth(values: list[float], weight: float = 0.9) -> list[float]:
-    """Exponential moving average with bias correction, so the first points are not pulled towards 0."""
-    out, average = [], 0.0
-    for i, value in enumerate(values, 1):
-        average = weight * average + (1 - weight) * value
-        out.append(average / (1 - weight ** i))
-    return out
-
-
-def plot_loss(losses: list[float], path: Path) -> None:
-    """Loss per step, raw and smoothed, as a PNG."""
-    # The Agg canvas directly: no pyplot, so no global backend is chosen for the caller's process.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(7, 4), dpi=100)
-    FigureCanvasAgg(figure)
-    axes = figure.subplots()
-    steps = range(1, len(losses) + 1)
-    axes.plot(steps, losses, alpha=0.3, label="loss")
-    axes.plot(steps, smooth(losses), label="smoothed")
-    axes.set_xlabel("step")
-    axes.set_ylabel("loss (completion tokens)")
-    axes.legend()
-    axes.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path)
