@@ -52,6 +52,7 @@ class Gateway:
         self.auth = Authenticator(self.store, settings.server.admin_key, loopback=is_loopback(settings.server.host),
                                   cache_seconds=settings.server.auth_cache_seconds)
         self.backends: list[Backend] = [build_backend(b) for b in settings.backends]
+        self.metrics.watch_prefix_caches(self.backends)
         self.model_map: dict[str, Backend] = {}
         for backend in self.backends:
             for model in backend.models:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _COMMIT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1)
@@ -30,9 +32,40 @@ class Metrics:
         self.commit_batch = Histogram("harness_store_commit_batch_size", "Records per committed batch.",
                                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
 
+    def watch_prefix_caches(self, backends: Iterable[Any]) -> None:
+        """Export the embedded backends' prefix-cache counters (``prefix_stats``), read when scraped."""
+        self.registry.register(_PrefixCaches(list(backends)))
+
     def observe_commit(self, batch: int, seconds: float) -> None:
         self.commit_latency.observe(seconds)
         self.commit_batch.observe(batch)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PrefixCaches:
+    """A collector over every backend with a prefix cache (the embedded model's)."""
+
+    _COUNTERS = (("hits", "Requests whose prompt started with cached keys and values."),
+                 ("misses", "Requests prefilled from the start."),
+                 ("prefill_computed", "Prompt tokens run through the model."),
+                 ("prefill_saved", "Prompt tokens taken from the prefix cache instead."),
+                 ("evictions", "Prefix-cache entries evicted to stay within the budget."))
+    _GAUGES = (("entries", "Prefix-cache entries held."), ("bytes", "Bytes of keys and values the prefix cache holds."))
+
+    def __init__(self, backends: list[Any]) -> None:
+        self.backends = backends
+
+    def collect(self) -> Iterator[Metric]:
+        found = [(b.name, stats) for b in self.backends if (stats := getattr(b, "prefix_stats", None)) is not None]
+        for name, help_text in self._COUNTERS:
+            family = CounterMetricFamily(f"harness_prefix_cache_{name}", help_text, labels=["backend"])
+            for backend, stats in found:
+                family.add_metric([backend], getattr(stats, name))
+            yield family
+        for name, help_text in self._GAUGES:
+            family = GaugeMetricFamily(f"harness_prefix_cache_{name}", help_text, labels=["backend"])
+            for backend, stats in found:
+                family.add_metric([backend], getattr(stats, name))
+            yield family

@@ -206,3 +206,26 @@ def test_time_to_first_token_is_the_first_content_not_the_role_chunk(embedded: G
             break
         time.sleep(0.05)
     assert row is not None and abs(row[0] - first_content) < 50, (row, first_content, total)
+
+
+def test_the_prefix_cache_saves_a_conversations_prefill_and_says_so_in_metrics(embedded: GatewayProcess) -> None:
+    import httpx
+
+    client = openai.OpenAI(base_url=embedded.url + "/v1", api_key="unused", max_retries=0)
+
+    def metric(text: str, name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+    before = httpx.get(embedded.url + "/metrics").text
+    messages = [{"role": "system", "content": "You are a terse assistant. " * 20},
+                {"role": "user", "content": "Name a fruit."}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And a vegetable?"}]
+    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    after = httpx.get(embedded.url + "/metrics").text
+    assert metric(after, "harness_prefix_cache_hits_total") > metric(before, "harness_prefix_cache_hits_total")
+    saved = metric(after, "harness_prefix_cache_prefill_saved_total") - metric(
+        before, "harness_prefix_cache_prefill_saved_total")
+    assert saved >= first.usage.prompt_tokens  # the whole first turn was reused
+    assert metric(after, "harness_prefix_cache_bytes") > 0

@@ -1,5 +1,6 @@
 """The embedded model: ``backend`` (the asyncio facade), ``request`` (the parameters it honours), ``engine``
-(batching on its own thread), ``grammar`` (constrained decoding), ``sampling``, ``text`` (incremental
+(batching on its own thread), ``prefix_cache`` (keys and values reused across requests), ``grammar``
+(constrained decoding), ``sampling``, ``text`` (incremental
 detokenization and stops), ``replies`` (OpenAI completions and chunks) and ``adapters``."""
 
 from gateway.backends.local.backend import LocalBackend

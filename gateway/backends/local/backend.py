@@ -35,6 +35,7 @@ from gateway.backends.base import (
 from gateway.backends.local.adapters import Adapter, lora_config
 from gateway.backends.local.engine import Engine, Event, Job, Token
 from gateway.backends.local.grammar import answer_schema, output_grammar
+from gateway.backends.local.prefix_cache import PrefixCache, PrefixStats
 from gateway.backends.local.replies import (
     Events,
     LocalChunkStream,
@@ -88,6 +89,12 @@ class LocalBackend:
     def forward_passes(self) -> int:
         return self._engine.forward_passes if self._engine else 0
 
+    @property
+    def prefix_stats(self) -> PrefixStats | None:
+        """The prefix cache's counters (a live object; its ints are read whole), or None when it is off."""
+        engine = self._engine
+        return engine.prefix.stats if engine is not None and engine.prefix is not None else None
+
     async def start(self) -> None:
         if self._settings.threads:
             torch.set_num_threads(self._settings.threads)
@@ -95,7 +102,8 @@ class LocalBackend:
             self._loaded = await asyncio.to_thread(load_model, self._settings.model_path, self._settings.cache_dir)
         except ModelLoadError as exc:
             raise BackendUnavailable(str(exc), code="model_load_failed") from exc
-        self._engine = Engine(self._loaded, self._settings.max_batch_size)
+        budget = self._settings.prefix_cache_mb * 2**20
+        self._engine = Engine(self._loaded, self._settings.max_batch_size, PrefixCache(budget) if budget else None)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-engine")
         self._scheduler = asyncio.create_task(self._schedule(self._engine), name=f"{self.name}-scheduler")
         log.info("local.started", backend=self.name, threads=torch.get_num_threads(),

@@ -34,6 +34,7 @@ from transformers import DynamicCache
 from gateway.backends.base import AdapterNotLoaded, BackendError
 from gateway.backends.local.adapters import Adapter, LoraModel
 from gateway.backends.local.grammar import Masks, matcher, tokenizer_for
+from gateway.backends.local.prefix_cache import Layers, PrefixCache
 from gateway.backends.local.sampling import Choice, SamplingParams, choose, generators, shape_logits
 from gateway.backends.local.text import TextTracker
 from gateway.backends.local_model import LoadedModel
@@ -114,7 +115,7 @@ class Engine:
     ``submit``, ``call``, ``waiting`` and ``pending_sequences`` on the owner's thread; the ``fail_*`` trio on
     the owner's thread only while ``run`` is not running."""
 
-    def __init__(self, loaded: LoadedModel, max_batch_size: int) -> None:
+    def __init__(self, loaded: LoadedModel, max_batch_size: int, prefix: PrefixCache | None = None) -> None:
         self.base_model = loaded.model
         self.model = LoraModel(loaded.model)  # the base model, wrapped in peft while any adapter is loaded
         self.ops: deque[Op] = deque()  # appended by the owner, drained here between steps
@@ -124,6 +125,7 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.stop_token_ids = loaded.stop_token_ids
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.prefix = prefix  # keys and values kept across requests; None: every prompt is prefilled whole
         self.inbox: deque[Job] = deque()
         self.closing = False
         self.forward_passes = 0  # model forward calls (prefills and decode steps), for tests and metrics
@@ -226,6 +228,8 @@ class Engine:
         in_use.update(job.adapter.internal for job in tuple(self.inbox) if job.adapter is not None)
         for internal in [name for name in self._retiring if name not in in_use]:
             deleted = self._retiring.pop(internal)
+            if self.prefix is not None:
+                self.prefix.forget(internal)
             try:
                 with torch.inference_mode(False), torch.no_grad():
                     self.model.delete(internal)
@@ -267,6 +271,21 @@ class Engine:
             self._prefill(jobs)
 
     def _prefill(self, jobs: list[Job]) -> None:
+        """Prefill the admitted jobs and join them to the batch: those whose prompt starts with cached keys and
+        values together from where their cache ends, the others together from the start."""
+        fresh, hits = [], []
+        for job in jobs:
+            reused, layers = self.prefix.longest(_key(job), job.prompt_ids) if self.prefix else (0, None)
+            if layers is None:
+                fresh.append(job)
+            else:
+                hits.append((job, reused, layers))
+        if hits:
+            self._join(*self._prefill_after(hits))
+        if fresh:
+            self._join(*self._prefill_fresh(fresh))
+
+    def _prefill_fresh(self, jobs: list[Job]) -> tuple[list[_Sequence], DynamicCache, torch.Tensor, torch.Tensor]:
         width = max(len(job.prompt_ids) for job in jobs)
         ids = torch.tensor([[self.pad_token_id] * (width - len(j.prompt_ids)) + j.prompt_ids for j in jobs])
         mask = torch.tensor([[0] * (width - len(j.prompt_ids)) + [1] * len(j.prompt_ids) for j in jobs])
@@ -274,8 +293,55 @@ class Engine:
         out = self._forward([job.adapter for job in jobs], input_ids=ids, attention_mask=mask,
                             position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                             past_key_values=cache, use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1, :].float()
-        # The n samples of a job share its prompt: prefill it once, then copy its row.
+        if self.prefix is not None:
+            for job in jobs:
+                self.prefix.count(computed=len(job.prompt_ids), saved=0)
+            self._remember(jobs, [job.prompt_ids for job in jobs], cache, mask)
+        return self._rows_of(jobs, cache, mask, out.logits[:, -1, :].float())
+
+    def _prefill_after(self, hits: list[tuple[Job, int, Layers]]
+                       ) -> tuple[list[_Sequence], DynamicCache, torch.Tensor, torch.Tensor]:
+        """Prefill each prompt's tokens after its ``reused`` ones, whose keys and values its layers hold.
+
+        One forward pass for all: the cached parts are left-padded to the longest, the new parts too, so a row
+        reads [padding, cached, padding, new]; the mask hides the padding and the positions count real tokens.
+        """
+        assert self.prefix is not None
+        jobs = [job for job, _, _ in hits]
+        cached = max(reused for _, reused, _ in hits)
+        new = max(len(job.prompt_ids) - reused for job, reused, _ in hits)
+        cache = DynamicCache(ddp_cache_data=[
+            (torch.cat([_left_pad(layers[n][0], cached - reused, 2) for _, reused, layers in hits]),
+             torch.cat([_left_pad(layers[n][1], cached - reused, 2) for _, reused, layers in hits]))
+            for n in range(len(hits[0][2]))], config=self.base_model.config)
+        ids, mask, positions = [], [], []
+        for job, reused, _ in hits:
+            suffix = job.prompt_ids[reused:]
+            gap = new - len(suffix)
+            ids.append([self.pad_token_id] * gap + suffix)
+            mask.append([0] * (cached - reused) + [1] * reused + [0] * gap + [1] * len(suffix))
+            positions.append([0] * gap + list(range(reused, len(job.prompt_ids))))
+            self.prefix.count(computed=len(suffix), saved=reused)
+        mask_tensor = torch.tensor(mask)
+        out = self._forward([job.adapter for job in jobs], input_ids=torch.tensor(ids), attention_mask=mask_tensor,
+                            position_ids=torch.tensor(positions), past_key_values=cache, use_cache=True,
+                            logits_to_keep=1)
+        self._remember(jobs, [job.prompt_ids for job in jobs], cache, mask_tensor)
+        return self._rows_of(jobs, cache, mask_tensor, out.logits[:, -1, :].float())
+
+    def _remember(self, rows: list[Job], ids: list[list[int]], cache: DynamicCache, mask: torch.Tensor) -> None:
+        """Keep the keys and values of each row's real positions (``mask``), which hold the tokens ``ids``."""
+        assert self.prefix is not None
+        layers = cache.to_legacy_cache()
+        for k, (job, tokens) in enumerate(zip(rows, ids, strict=True)):
+            real = mask[k].nonzero()[:, 0]
+            if len(real) == len(tokens):
+                self.prefix.add(_key(job), tokens, [(key[k:k + 1, :, real], value[k:k + 1, :, real])
+                                                    for key, value in layers])
+
+    def _rows_of(self, jobs: list[Job], cache: DynamicCache, mask: torch.Tensor, logits: torch.Tensor
+                 ) -> tuple[list[_Sequence], DynamicCache, torch.Tensor, torch.Tensor]:
+        # The n samples of a job share its prompt: prefilled once, then its row is copied.
         rows = [_Sequence(job, i, generator, TextTracker(self.tokenizer, job.params.stop, job.params.tool_stop),
                           self._matcher(job.params.grammar))
                 for job in jobs for i, generator in enumerate(generators(job.params))]
@@ -283,7 +349,12 @@ class Engine:
             repeat = torch.tensor([k for k, job in enumerate(jobs) for _ in range(job.params.n)])
             cache.batch_select_indices(repeat)
             mask, logits = mask[repeat], logits[repeat]
-        log.debug("local.admitted", requests=len(jobs), sequences=len(rows), running=len(self._rows))
+        return rows, cache, mask, logits
+
+    def _join(self, rows: list[_Sequence], cache: DynamicCache, mask: torch.Tensor, logits: torch.Tensor) -> None:
+        """Add prefilled rows to the batch, left-padding whichever side is shorter."""
+        log.debug("local.admitted", requests=len({row.job for row in rows}), sequences=len(rows),
+                  running=len(self._rows))
         if not self._rows:
             self._rows, self._cache, self._mask, self._logits = rows, cache, mask, logits
             return
@@ -298,6 +369,19 @@ class Engine:
         self._mask = torch.cat([_left_pad(self._mask, width - old_len, 1), _left_pad(mask, width - new_len, 1)])
         self._logits = torch.cat([self._logits, logits])
         self._rows += rows
+
+    def _keep(self, finished: list[int]) -> None:
+        """Keep the keys and values of the rows that just finished: the prompt and the reply up to its last token
+        (which was sampled, never fed), where the next turn of the conversation will start."""
+        assert self._cache is not None and self._mask is not None
+        if not finished:
+            return
+        index = torch.tensor(finished, dtype=torch.long)
+        rows = [self._rows[i] for i in finished]
+        cache = DynamicCache(ddp_cache_data=[(k[index], v[index]) for k, v in self._cache.to_legacy_cache()],
+                             config=self.base_model.config)
+        self._remember([row.job for row in rows], [row.job.prompt_ids + row.token_ids[:-1] for row in rows], cache,
+                       self._mask[index])
 
     # -- one decoding step -----------------------------------------------------------------------
 
@@ -333,6 +417,9 @@ class Engine:
                 batch.append(Finish(row.index, reason))
         for job, batch in events.items():
             job.deliver(batch)
+        if self.prefix is not None and len(keep) < len(self._rows):
+            kept = set(keep)
+            self._keep([i for i, row in enumerate(self._rows) if i not in kept and not row.job.cancelled])
         if len(keep) < len(self._rows):
             self._select(keep)
         if not self._rows:
@@ -400,3 +487,7 @@ class Engine:
             return True
         return row_matcher.is_stopped()
 
+
+def _key(job: Job) -> str | None:
+    """Whose keys and values a job's are: its adapter's (by internal name, never reused) or the base model's."""
+    return job.adapter.internal if job.adapter is not None else None
