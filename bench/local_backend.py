@@ -2,6 +2,12 @@
 held to a JSON Schema (constrained decoding).
 
     python -m bench.local_backend [--max-tokens 64] [--concurrency 8] [--rounds 3] [--cache-dir DIR] [--threads T]
+    python -m bench.local_backend --episodes 16 [--adapter DIR]   # agent episodes, prefix cache off vs on
+
+``--episodes N``: N tools-suite validation tasks through the agent loop at temperature 0 (8 at once), with the base
+and (``--adapter``) a trained adapter, each with the prefix cache off and on, every configuration in a fresh
+process: episodes per minute and their ratio, steps, prompt tokens computed and saved, and the process's peak RSS.
+Target: at least 3x for an adapter whose episodes take several steps.
 
 Every request generates exactly ``--max-tokens`` tokens (``ignore_eos``; the schema's text is longer than that can
 hold), so tokens/s compares equal work. The four measurements are interleaved for ``--rounds`` rounds and the
@@ -13,8 +19,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +33,8 @@ from gateway.backends.base import ChatRequest
 from gateway.backends.local import LocalBackend
 from gateway.backends.local.grammar import Masks, answer_schema, matcher, output_grammar
 from gateway.config import BackendSettings
+
+DEFAULT_PREFIX_CACHE_MB = BackendSettings.model_fields["prefix_cache_mb"].default
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",
@@ -81,6 +93,56 @@ def _mask_ms(backend: LocalBackend, rows: int, steps: int = 200) -> float:
     return statistics.median(times) * 1000
 
 
+async def _episodes_child(count: int, adapter: str | None, cache_mb: int) -> dict[str, Any]:
+    """One configuration's episodes, in this (fresh) process."""
+    from gateway.config import TrainingSettings
+    from training.evaluate import Evaluator, spread
+    from training.tasks import get_suite
+
+    settings = TrainingSettings()
+    suite = get_suite("tools", data_dir=settings.tasks_dir)
+    tasks = spread(suite.tasks("validation"), count)
+    async with Evaluator(settings, prefix_cache_mb=cache_mb) as evaluator:
+        await evaluator.episodes(suite, tasks[:1], adapter)  # warm-up (and the adapter's load)
+        before = _stats(evaluator.backend)
+        started = time.perf_counter()
+        episodes = await evaluator.episodes(suite, tasks, adapter)
+        seconds = time.perf_counter() - started
+        after = _stats(evaluator.backend)
+    with open("/proc/self/status") as fh:
+        peak = next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:")) / 1024
+    return {"episodes": len(episodes), "seconds": seconds, "steps": sum(e.steps for e in episodes),
+            "successes": sum(e.success for e in episodes), "peak_rss_mb": peak,
+            **{k: after[k] - before[k] for k in ("prefill_computed", "prefill_saved", "hits")}}
+
+
+def _stats(backend: LocalBackend) -> dict[str, int]:
+    stats = backend.prefix_stats
+    return {k: getattr(stats, k) if stats else 0 for k in ("prefill_computed", "prefill_saved", "hits")}
+
+
+def _episodes(count: int, adapter_dir: str | None) -> None:
+    rows = {}
+    adapters = (None, adapter_dir) if adapter_dir else (None,)
+    for adapter in adapters:
+        for cache_mb in (0, DEFAULT_PREFIX_CACHE_MB):
+            out = subprocess.run([sys.executable, "-m", "bench.local_backend", "--child-episodes",
+                                  json.dumps([count, adapter, cache_mb])], capture_output=True, text=True,
+                                 cwd=Path(__file__).resolve().parent.parent, check=True)
+            rows[adapter, cache_mb] = r = json.loads(out.stdout.strip().splitlines()[-1])
+            per_minute = r["episodes"] / r["seconds"] * 60
+            label = f"{'adapter' if adapter else 'base':7} cache {'on ' if cache_mb else 'off'}"
+            print(f"{label}: {r['episodes']} episodes ({r['steps']} steps, {r['successes']} solved) in "
+                  f"{r['seconds']:6.1f} s = {per_minute:5.1f}/min; "
+                  f"prompt tokens computed {r['prefill_computed']:,}, saved {r['prefill_saved']:,}; "
+                  f"peak RSS {r['peak_rss_mb']:,.0f} MiB")
+    for adapter in adapters:
+        off, on = rows[adapter, 0], rows[adapter, DEFAULT_PREFIX_CACHE_MB]
+        speedup = off["seconds"] / on["seconds"]
+        print(f"{'adapter' if adapter else 'base'}: cache on / off = {speedup:.2f}x episodes per minute "
+              f"({on['steps'] / on['episodes']:.1f} steps per episode)")
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -88,7 +150,15 @@ async def main() -> None:
     parser.add_argument("--cache-dir")
     parser.add_argument("--threads", type=int)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--episodes", type=int, default=0, help="Also compare agent episodes, cache off vs on.")
+    parser.add_argument("--adapter", help="With --episodes: a trained adapter folder to compare too.")
+    parser.add_argument("--child-episodes", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child_episodes:
+        print(json.dumps(await _episodes_child(*json.loads(args.child_episodes))))
+        return
+    if args.episodes:
+        _episodes(args.episodes, args.adapter)
 
     settings = BackendSettings(name="local", kind="local", cache_dir=args.cache_dir, threads=args.threads,
                                max_batch_size=max(args.concurrency, 1))

@@ -65,7 +65,7 @@ class BackendSettings(Section):
     cache_dir: str | None = Field(None, description="local: where dequantized weights are cached.")
     max_batch_size: int = Field(8, gt=0, description="local: most sequences in one forward pass.")
     batch_wait_ms: float = Field(5.0, ge=0, description="local: how long to gather a batch.")
-    prefix_cache_mb: int = Field(512, ge=0, description="local: memory for keys and values kept across requests, "
+    prefix_cache_mb: int = Field(256, ge=0, description="local: memory for keys and values kept across requests, "
                                  "so a prompt that starts like an earlier one prefills only the rest (0: off).")
     threads: int | None = Field(None, gt=0, description="local: torch threads (default: all cores).")
     api_key: str | None = Field(None, exclude=True)

@@ -73,11 +73,13 @@ RecorderFor = Callable[[Task, Profile, RunState], Awaitable[Recorder]]
 class Evaluator:
     """One embedded backend for every evaluation of a process; adapters are loaded into it as needed."""
 
-    def __init__(self, settings: TrainingSettings) -> None:
+    def __init__(self, settings: TrainingSettings, *, prefix_cache_mb: int | None = None) -> None:
+        """``prefix_cache_mb``: the backend's prefix cache (None: the backends' default; 0: off)."""
         self.settings = settings
+        cache = {} if prefix_cache_mb is None else {"prefix_cache_mb": prefix_cache_mb}
         self.backend = LocalBackend(BackendSettings(
             name="eval", kind="local", models=[settings.base_model], model_path=settings.model_path,
-            max_batch_size=max(settings.eval_concurrency, 1)))
+            max_batch_size=max(settings.eval_concurrency, 1), **cache))
         self._started = False
         self._adapters: dict[str, str] = {}  # folder -> the name it is loaded under
         self._loads = 0
