@@ -21,12 +21,17 @@ def lora_adapters(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
     return {name: random_lora(tiny_model_dir, root / name, seed) for name, seed in (("a", 1), ("b", 2))}
 
 
-@pytest.fixture
-async def backend(tiny_model_dir: Path) -> AsyncIterator[Any]:
+def local_backend(model_dir: Path, **settings: Any) -> Any:
+    """A local backend (not started) on ``model_dir``; ``settings`` override the tests' batching defaults."""
     from gateway.backends.local import LocalBackend
 
-    b = LocalBackend(BackendSettings(name="local", kind="local", model_path=str(tiny_model_dir),
-                                     batch_wait_ms=20, max_batch_size=8))
+    return LocalBackend(BackendSettings(**{"name": "local", "kind": "local", "model_path": str(model_dir),
+                                           "batch_wait_ms": 20, "max_batch_size": 8, **settings}))
+
+
+@pytest.fixture
+async def backend(tiny_model_dir: Path) -> AsyncIterator[Any]:
+    b = local_backend(tiny_model_dir)
     await b.start()
     yield b
     await b.aclose()

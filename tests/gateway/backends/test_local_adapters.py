@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from gateway.backends.base import AdapterNotLoaded, BackendError, ChatRequest, ChatResult, serves_adapters
 from gateway.backends.local import LocalBackend
-from gateway.config import BackendSettings
+from tests.gateway.backends.conftest import local_backend
 
 A, B = "sql@3", "chat.v2@1"  # names peft could not take as they are
 
@@ -48,8 +48,7 @@ def _lora_layers(backend: LocalBackend) -> int:
 
 @pytest.fixture
 async def backend(tiny_model_dir: Path) -> AsyncIterator[LocalBackend]:
-    b = LocalBackend(BackendSettings(name="local", kind="local", model_path=str(tiny_model_dir),
-                                     batch_wait_ms=30, max_batch_size=16))
+    b = local_backend(tiny_model_dir, batch_wait_ms=30, max_batch_size=16)
     await b.start()
     yield b
     await b.aclose()

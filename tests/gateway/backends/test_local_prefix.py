@@ -15,16 +15,15 @@ skip_without("local")
 
 from gateway.backends.base import ChatRequest
 from gateway.backends.local import LocalBackend
-from gateway.config import BackendSettings
 from gateway.prompting import encode_prompt
+from tests.gateway.backends.conftest import local_backend
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant who answers in one line. " * 6}
 A, B = "a", "b"
 
 
 def _backend(model_dir: Path, mb: int) -> LocalBackend:
-    return LocalBackend(BackendSettings(name="local", kind="local", model_path=str(model_dir), batch_wait_ms=20,
-                                        max_batch_size=8, prefix_cache_mb=mb))
+    return local_backend(model_dir, prefix_cache_mb=mb)
 
 
 @pytest.fixture
