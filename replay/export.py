@@ -43,8 +43,11 @@ import structlog
 
 from replay import hashing
 from replay.filters import Filters
+from replay.model import StoredCall
+from replay.queries import CALL_COLUMNS, stored_call
 from replay.records import new_id
 from replay.redact import Redactor
+from replay.vocabulary import CALL_OK
 from tools.extras import require_extra
 
 log = structlog.get_logger()
@@ -89,21 +92,6 @@ class ExportResult:
     output: str = ""
 
 
-@dataclass(slots=True)
-class _Call:
-    id: str
-    seq: int
-    status: str
-    error: str | None
-    request: list[str]
-    tools: str | None
-    reply: str | None  # blob key of the first choice's message
-    finish_reason: str | None
-    purpose: str | None
-    prompt_ids: bytes | None  # as packed in the store: decompressed only for a row that carries them
-    completion_ids: bytes | None
-
-
 @dataclass
 class _Bodies:
     """A chunk's message bodies: as stored, and as they may leave (redacted), with what changed."""
@@ -135,7 +123,7 @@ def count(conn: sqlite3.Connection, filters: Filters) -> int:
 
 def has_exportable_call(conn: sqlite3.Connection, filters: Filters, include_failed: bool) -> bool:
     where, args = filters.where("t")
-    status = "" if include_failed else "AND mc.status = 'ok' AND mc.response_messages NOT IN ('[]', '')"
+    status = "" if include_failed else f"AND mc.status = '{CALL_OK}' AND mc.response_messages NOT IN ('[]', '')"
     return conn.execute(f"""SELECT 1 FROM trajectories t JOIN model_calls mc ON mc.trajectory_id = t.id
                             WHERE {where} {status} LIMIT 1""", args).fetchone() is not None
 
@@ -170,7 +158,7 @@ def iter_rows(conn: sqlite3.Connection, filters: Filters, options: ExportOptions
 def _chunk_rows(conn: sqlite3.Connection, chunk: list[tuple[Any, ...]], options: ExportOptions,
                 redactor: Redactor) -> Iterator[Row]:
     calls = _calls(conn, [t[0] for t in chunk], options.include_failed)
-    keys = {k for cs in calls.values() for c in cs for k in (*c.request, c.tools, c.reply) if k}
+    keys = {k for cs in calls.values() for c in cs for k in (*c.request_keys, c.tools_key, c.reply_key) if k}
     bodies = _bodies(conn, keys, redactor)
     for traj in chunk:
         base = _base_meta(traj)
@@ -193,45 +181,15 @@ def _metadata(text: str | None, redactor: Redactor) -> bytes | None:
     return _redacted_bytes(body, redactor)[0]
 
 
-def _calls(conn: sqlite3.Connection, ids: list[str], include_failed: bool) -> dict[str, list[_Call]]:
-    status = "" if include_failed else "AND status = 'ok'"
-    out: dict[str, list[_Call]] = {}
-    for (tid, cid, seq, st, error, request, tools, params, response, replies, prompt_ids,
-         completion_ids) in conn.execute(
-            f"""SELECT trajectory_id, id, seq, status, error, request_messages, tools_hash, params, response,
-                       response_messages, prompt_token_ids, completion_token_ids
-                FROM model_calls WHERE trajectory_id IN (SELECT value FROM json_each(?)) {status}
+def _calls(conn: sqlite3.Connection, ids: list[str], include_failed: bool) -> dict[str, list[StoredCall]]:
+    status = "" if include_failed else f"AND status = '{CALL_OK}'"
+    out: dict[str, list[StoredCall]] = {}
+    for row in conn.execute(
+            f"""SELECT {CALL_COLUMNS} FROM model_calls WHERE trajectory_id IN (SELECT value FROM json_each(?)) {status}
                 ORDER BY trajectory_id, seq, created_at""", (orjson.dumps(ids),)):
-        reply_keys = orjson.loads(replies) if replies else []
-        purpose = orjson.loads(params).get("purpose") if params and "purpose" in params else None
-        out.setdefault(tid, []).append(_Call(
-            id=cid, seq=seq, status=st, error=error, request=orjson.loads(request), tools=tools,
-            reply=reply_keys[0] if reply_keys else None,
-            finish_reason=_finish_reason(response), purpose=purpose,
-            prompt_ids=prompt_ids, completion_ids=completion_ids))
+        call = stored_call(row)
+        out.setdefault(call.trajectory_id, []).append(call)
     return out
-
-
-def _finish_reason(response: str | None) -> str | None:
-    if not response:
-        return None
-    # The stored response is orjson's compact JSON: find the first choice's field without parsing it all.
-    at = response.find('"finish_reason":"')
-    if at < 0:
-        return None
-    start = at + len('"finish_reason":"')
-    return response[start:response.find('"', start)]
-
-
-def _first_choice(packed: bytes | None) -> bytes | None:
-    """The first choice's token ids as JSON bytes, from the packed ``[[ids of choice 0], ...]``."""
-    if packed is None:
-        return None
-    ids = zlib.decompress(packed)
-    if ids.startswith(b"[[") and b"null" not in ids:
-        return ids[1:ids.index(b"]") + 1]  # lists of ints nest nothing: the first "]" closes choice 0
-    per_choice = orjson.loads(ids)
-    return orjson.dumps(per_choice[0]) if per_choice and per_choice[0] is not None else None
 
 
 def _bodies(conn: sqlite3.Connection, keys: set[str], redactor: Redactor) -> _Bodies:
@@ -260,13 +218,13 @@ def _redacted_bytes(body: bytes, redactor: Redactor) -> tuple[bytes, bool]:
     return (orjson.dumps(value, option=orjson.OPT_SORT_KEYS), True) if changed else (body, False)
 
 
-def _windows(calls: list[_Call], size: int, bodies: _Bodies) -> Iterator[tuple[_Call, _Call]]:
+def _windows(calls: list[StoredCall], size: int, bodies: _Bodies) -> Iterator[tuple[StoredCall, StoredCall]]:
     """(first, last) call of each row: runs of up to ``size`` calls, each extending the one before."""
     if size == 1:
         for c in calls:
             yield c, c
         return
-    run: list[_Call] = []
+    run: list[StoredCall] = []
     for c in calls:
         if run and ((size and len(run) >= size) or not _extends(run[-1], c, bodies)):
             yield run[0], run[-1]
@@ -276,12 +234,13 @@ def _windows(calls: list[_Call], size: int, bodies: _Bodies) -> Iterator[tuple[_
         yield run[0], run[-1]
 
 
-def _extends(prev: _Call, cur: _Call, bodies: _Bodies) -> bool:
+def _extends(prev: StoredCall, cur: StoredCall, bodies: _Bodies) -> bool:
     """Whether ``cur``'s request starts with ``prev``'s whole context (its request, then its reply)."""
-    context = prev.request + ([prev.reply] if prev.reply and bodies.raw[prev.reply] != _EMPTY_REPLY else [])
-    if len(cur.request) < len(context):
+    reply = prev.reply_key
+    context = prev.request_keys + ([reply] if reply and bodies.raw[reply] != _EMPTY_REPLY else [])
+    if len(cur.request_keys) < len(context):
         return False
-    for mine, theirs in zip(context, cur.request, strict=False):
+    for mine, theirs in zip(context, cur.request_keys, strict=False):
         # Clients echo replies back with cosmetic differences; compare those as stitching does.
         if mine != theirs and (hashing.stitch_hash(orjson.loads(bodies.raw[mine]))
                                != hashing.stitch_hash(orjson.loads(bodies.raw[theirs]))):
@@ -295,25 +254,27 @@ def _base_meta(t: tuple[Any, ...]) -> dict[str, Any]:
             "status": t[10], "termination_reason": t[11], "final_reward": t[12]}
 
 
-def _row(base: dict[str, Any], base_json: bytes, metadata: bytes | None, first: _Call, last: _Call,
+def _row(base: dict[str, Any], base_json: bytes, metadata: bytes | None, first: StoredCall, last: StoredCall,
          bodies: _Bodies, redactor: Redactor, include_failed: bool) -> Row | None:
-    keys = list(last.request)
-    if last.reply is not None and bodies.raw[last.reply] != _EMPTY_REPLY:
-        keys.append(last.reply)
+    keys = list(last.request_keys)
+    reply = last.reply_key
+    if reply is not None and bodies.raw[reply] != _EMPTY_REPLY:
+        keys.append(reply)
     elif not include_failed:
         return None  # nothing to learn from a call without a reply
     if not keys:
         return None
-    changed = bool(bodies.changed) and (not bodies.changed.isdisjoint(keys) or last.tools in bodies.changed)
+    changed = bool(bodies.changed) and (not bodies.changed.isdisjoint(keys) or last.tools_key in bodies.changed)
     error = last.error if last.error is None or not redactor.active else redactor.text(last.error)
     call = {"call_id": last.id, "seq": last.seq, "first_seq": first.seq, "call_status": last.status,
-            "finish_reason": last.finish_reason, "purpose": last.purpose, "error": error, "redacted": changed}
+            "finish_reason": last.finish_reason, "purpose": last.declared_purpose, "error": error, "redacted": changed}
     out = bodies.out
     return Row(trajectory=base, trajectory_json=base_json, call=call,
                messages=b"[" + b",".join(out[k] for k in keys) + b"]",
-               tools=out[last.tools] if last.tools else None, metadata=metadata,
-               prompt_token_ids=None if changed or last.prompt_ids is None else zlib.decompress(last.prompt_ids),
-               completion_token_ids=None if changed else _first_choice(last.completion_ids))
+               tools=out[last.tools_key] if last.tools_key else None, metadata=metadata,
+               prompt_token_ids=None if changed or last.packed_prompt_ids is None
+               else zlib.decompress(last.packed_prompt_ids),
+               completion_token_ids=None if changed else last.first_completion_ids())
 
 
 # -- writers -------------------------------------------------------------------------------------------

@@ -5,16 +5,23 @@ the API and the command line. ``format`` names how ``ModelCall.request`` and its
 (``chat``: Chat Completions messages); a trajectory of Responses API items or Anthropic messages is another
 format of the same model, so readers that do not know a format can refuse it by name.
 
-The bulk readers beside it in ``replay/`` (``export``, ``stats``) read the same tables with set-based SQL instead:
-an export splices stored message bodies as bytes, without decoding them, at over ten thousand trajectories a
-second, where reading each trajectory whole into this model runs at about five hundred.
+A model call is read in two depths: ``StoredCall``, as the store holds it (message bodies by key, token ids
+packed), and ``ModelCall``, resolved (``StoredCall.resolve``). Readers of one trajectory take it resolved; the bulk
+export takes ``StoredCall`` and splices the stored bodies' bytes without decoding them (over ten thousand
+trajectories a second, where resolving each runs at about five hundred). ``stats`` aggregates the same tables in
+SQL, over the vocabulary in ``replay.vocabulary``.
 """
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
+from replay.records import unpack
 from replay.vocabulary import REFUSED_STATUSES
 
 CHAT = "chat"
@@ -79,6 +86,93 @@ class ModelCall:
                 "latency_ms": self.latency_ms, "ttft_ms": self.ttft_ms, "prompt_token_ids": self.prompt_token_ids,
                 "completion_token_ids": self.completion_token_ids, "completion_logprobs": self.completion_logprobs,
                 "completion_sampled_logprobs": self.completion_sampled_logprobs}
+
+
+@dataclass(frozen=True, slots=True)
+class StoredCall:
+    """A model call as the store holds it: its messages, tool specs and replies as keys of bodies stored once each
+    (the ``blobs`` table, shared by every call that sent them), its parameters and response as JSON text, its token
+    ids and log-probabilities packed. ``resolve`` turns it into a ``ModelCall``."""
+
+    trajectory_id: str
+    id: str
+    seq: int
+    created_at: float
+    status: str
+    request_keys: list[str]
+    tools_key: str | None
+    reply_keys: list[str]  # per choice
+    params: str | None
+    response: str | None
+    backend: str | None = None
+    model: str | None = None
+    adapter: str | None = None
+    stream: bool = False
+    error: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    latency_ms: float | None = None
+    ttft_ms: float | None = None
+    packed_prompt_ids: bytes | None = None
+    packed_completion_ids: bytes | None = None
+    packed_logprobs: bytes | None = None
+    packed_sampled_logprobs: bytes | None = None
+
+    @property
+    def body_keys(self) -> set[str]:
+        """Every body this call refers to."""
+        return {*self.request_keys, *self.reply_keys, *([self.tools_key] if self.tools_key else [])}
+
+    @property
+    def reply_key(self) -> str | None:
+        """The first choice's message body."""
+        return self.reply_keys[0] if self.reply_keys else None
+
+    @property
+    def declared_purpose(self) -> str | None:
+        """The purpose its request declared (``summary``), ``None`` for a plain step."""
+        if not self.params or '"purpose"' not in self.params:
+            return None
+        return orjson.loads(self.params).get("purpose")
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The first choice's, read without parsing the whole response (orjson's compact JSON)."""
+        if not self.response:
+            return None
+        at = self.response.find('"finish_reason":"')
+        if at < 0:
+            return None
+        start = at + len('"finish_reason":"')
+        return self.response[start:self.response.find('"', start)]
+
+    def first_completion_ids(self) -> bytes | None:
+        """The first choice's token ids as JSON bytes, cut out of the packed ``[[ids of choice 0], ...]``."""
+        if self.packed_completion_ids is None:
+            return None
+        ids = zlib.decompress(self.packed_completion_ids)
+        if ids.startswith(b"[[") and b"null" not in ids:
+            return ids[1:ids.index(b"]") + 1]  # lists of ints nest nothing: the first "]" closes choice 0
+        per_choice = orjson.loads(ids)
+        return orjson.dumps(per_choice[0]) if per_choice and per_choice[0] is not None else None
+
+    def resolve(self, bodies: Mapping[str, Any]) -> ModelCall:
+        """This call with its bodies (decoded, by key) in place and its packed columns unpacked."""
+        response = orjson.loads(self.response) if self.response else None
+        if response is not None:
+            for choice, key in zip(response.get("choices", []), self.reply_keys, strict=False):
+                choice["message"] = bodies.get(key)
+        return ModelCall(
+            id=self.id, seq=self.seq, created_at=self.created_at, status=self.status,
+            request={"messages": [bodies.get(k) for k in self.request_keys],
+                     "tools": bodies.get(self.tools_key) if self.tools_key else None,
+                     **orjson.loads(self.params or "{}")},
+            response=response, backend=self.backend, model=self.model, adapter=self.adapter, stream=self.stream,
+            error=self.error, prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+            latency_ms=self.latency_ms, ttft_ms=self.ttft_ms, prompt_token_ids=unpack(self.packed_prompt_ids),
+            completion_token_ids=unpack(self.packed_completion_ids),
+            completion_logprobs=unpack(self.packed_logprobs),
+            completion_sampled_logprobs=unpack(self.packed_sampled_logprobs))
 
 
 @dataclass(frozen=True, slots=True)

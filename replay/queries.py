@@ -1,15 +1,15 @@
-"""Reading trajectories into the read model (``replay.model``): one trajectory whole, or a listing."""
+"""Reading trajectories into the read model (``replay.model``): one trajectory whole, or a listing; and the
+model_calls columns a ``StoredCall`` is read from, for every reader of calls."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import aiosqlite
 import orjson
 
-from replay.model import AgentRun, Event, Feedback, ModelCall, ToolCall, Trajectory, content_text
-from replay.records import unpack
+from replay.model import AgentRun, Event, Feedback, ModelCall, StoredCall, ToolCall, Trajectory, content_text
 
 _SUMMARY_FIELDS = ("id", "source", "status", "created_at", "updated_at", "tenant", "key_id", "session_key",
                    "requested_model", "base_model", "adapter", "adapter_version", "task_id", "group_id", "parent_id",
@@ -51,36 +51,27 @@ async def trajectory(db: aiosqlite.Connection, trajectory_id: str, *, tenant: st
                       run=await _run(db, trajectory_id))
 
 
+# The model_calls columns, in StoredCall's field order.
+CALL_COLUMNS = ("trajectory_id, id, seq, created_at, status, request_messages, tools_hash, response_messages, params, "
+                "response, backend, model, adapter, stream, error, prompt_tokens, completion_tokens, latency_ms, "
+                "ttft_ms, prompt_token_ids, completion_token_ids, completion_logprobs, completion_sampled_logprobs")
+
+
+def stored_call(row: Sequence[Any]) -> StoredCall:
+    """A ``CALL_COLUMNS`` row as a ``StoredCall``."""
+    (tid, cid, seq, created, status, request, tools, replies, params, response, backend, model, adapter, stream,
+     *rest) = row
+    return StoredCall(tid, cid, seq, created, status, orjson.loads(request), tools,
+                      orjson.loads(replies) if replies else [], params, response, backend, model, adapter,
+                      bool(stream), *rest)
+
+
 async def _calls(db: aiosqlite.Connection, trajectory_id: str) -> list[ModelCall]:
-    async with db.execute("SELECT * FROM model_calls WHERE trajectory_id = ? ORDER BY seq, created_at",
+    async with db.execute(f"SELECT {CALL_COLUMNS} FROM model_calls WHERE trajectory_id = ? ORDER BY seq, created_at",
                           (trajectory_id,)) as cur:
-        rows = await cur.fetchall()
-    keys: set[str] = set()
-    for c in rows:
-        keys.update(orjson.loads(c["request_messages"]))
-        keys.update(orjson.loads(c["response_messages"] or "[]"))
-        if c["tools_hash"]:
-            keys.add(c["tools_hash"])
-    bodies = await blobs(db, keys)
-    calls = []
-    for c in rows:
-        response = orjson.loads(c["response"]) if c["response"] else None
-        if response is not None:
-            for choice, key in zip(response.get("choices", []), orjson.loads(c["response_messages"] or "[]"),
-                                   strict=False):
-                choice["message"] = bodies.get(key)
-        calls.append(ModelCall(
-            id=c["id"], seq=c["seq"], created_at=c["created_at"], status=c["status"],
-            request={"messages": [bodies.get(k) for k in orjson.loads(c["request_messages"])],
-                     "tools": bodies.get(c["tools_hash"]) if c["tools_hash"] else None,
-                     **orjson.loads(c["params"] or "{}")},
-            response=response, backend=c["backend"], model=c["model"], adapter=c["adapter"],
-            stream=bool(c["stream"]), error=c["error"], prompt_tokens=c["prompt_tokens"],
-            completion_tokens=c["completion_tokens"], latency_ms=c["latency_ms"], ttft_ms=c["ttft_ms"],
-            prompt_token_ids=unpack(c["prompt_token_ids"]), completion_token_ids=unpack(c["completion_token_ids"]),
-            completion_logprobs=unpack(c["completion_logprobs"]),
-            completion_sampled_logprobs=unpack(c["completion_sampled_logprobs"])))
-    return calls
+        stored = [stored_call(r) for r in await cur.fetchall()]
+    bodies = await blobs(db, {k for c in stored for k in c.body_keys})
+    return [c.resolve(bodies) for c in stored]
 
 
 async def blobs(db: aiosqlite.Connection, keys: Iterable[str]) -> dict[str, Any]:

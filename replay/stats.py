@@ -11,6 +11,7 @@ import sqlite3
 from typing import Any
 
 from replay.filters import Filters
+from replay.vocabulary import COMPLETED
 
 # The breakdown key: a trajectory's requested model and adapter ("" when none).
 _GROUP = ["COALESCE(t.requested_model, t.base_model, '')", "COALESCE(t.adapter, '')"]
@@ -55,7 +56,7 @@ def compute(conn: sqlite3.Connection, filters: Filters) -> dict[str, Any]:
 def _compute(conn: sqlite3.Connection, filters: Filters) -> dict[str, Any]:
     where, args = filters.where("t")
     total, completed, calls_total, mean_steps, mean_tokens, prompt, completion, rewarded, mean_reward = conn.execute(
-        f"""SELECT COUNT(*), SUM(t.status = 'completed'), SUM(t.n_calls), AVG(t.n_calls),
+        f"""SELECT COUNT(*), SUM(t.status = '{COMPLETED}'), SUM(t.n_calls), AVG(t.n_calls),
                    AVG(t.prompt_tokens + t.completion_tokens), SUM(t.prompt_tokens), SUM(t.completion_tokens),
                    COUNT(t.final_reward), AVG(t.final_reward)
             FROM trajectories t WHERE {where}""", args).fetchone()
@@ -97,7 +98,7 @@ def _compute(conn: sqlite3.Connection, filters: Filters) -> dict[str, Any]:
 
 def _by_model(conn: sqlite3.Connection, where: str, args: list[Any], tokens_sql: str) -> list[dict[str, Any]]:
     rows = conn.execute(
-        f"""SELECT {', '.join(_GROUP)}, COUNT(*), SUM(t.status = 'completed'), AVG(t.n_calls), AVG({tokens_sql}),
+        f"""SELECT {', '.join(_GROUP)}, COUNT(*), SUM(t.status = '{COMPLETED}'), AVG(t.n_calls), AVG({tokens_sql}),
                    AVG(t.final_reward)
             FROM trajectories t WHERE {where} GROUP BY 1, 2 ORDER BY 3 DESC, 1, 2""", args).fetchall()
     tools = {(m, a): (n, v) for m, a, n, v in conn.execute(

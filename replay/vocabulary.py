@@ -13,7 +13,8 @@ RUNNING, COMPLETED, TERMINATED, ERROR, INTERRUPTED, PENDING_APPROVAL = (
     "running", "completed", "terminated", "error", "interrupted", "pending_approval")
 TRAJECTORY_STATUSES = frozenset({RUNNING, COMPLETED, TERMINATED, ERROR, INTERRUPTED, PENDING_APPROVAL,
                                  "client_disconnected"})
-CALL_STATUSES = frozenset({"ok", "error", "client_disconnected"})
+CALL_OK = "ok"
+CALL_STATUSES = frozenset({CALL_OK, ERROR, "client_disconnected"})
 
 MAX_STEPS = "max_steps"
 MAX_TOTAL_TOKENS = "max_total_tokens"

@@ -57,3 +57,25 @@ async def test_a_listing_reads_trajectories_without_their_calls(store: Trajector
     [listed] = await store.list_trajectories(tenant="acme")
     assert listed.id == tid and listed.calls == [] and listed.n_calls == 1
     assert listed.summary()["tenant"] == "acme" and "calls" not in listed.summary()
+
+
+def test_a_stored_call_reads_its_packed_columns_without_resolving() -> None:
+    from replay.model import StoredCall
+    from replay.records import pack
+
+    def stored(**kw: object) -> StoredCall:
+        fields = dict(trajectory_id="t", id="c", seq=0, created_at=0.0, status="ok", request_keys=["a", "b"],
+                      tools_key="k", reply_keys=["r0", "r1"], params=None, response=None)
+        return StoredCall(**{**fields, **kw})  # type: ignore[arg-type]
+
+    call = stored(params='{"purpose":"summary","temperature":0}', response='{"choices":[{"finish_reason":"stop"}]}',
+                  packed_completion_ids=pack([[5, 6], [7]]))
+    assert call.declared_purpose == "summary" and stored().declared_purpose is None
+    assert call.finish_reason == "stop" and stored().finish_reason is None
+    assert call.reply_key == "r0" and call.body_keys == {"a", "b", "k", "r0", "r1"}
+    assert call.first_completion_ids() == b"[5,6]"
+    assert stored(packed_completion_ids=pack([None, [7]])).first_completion_ids() is None
+    resolved = call.resolve({"a": {"role": "user", "content": "hi"}, "b": {"role": "user", "content": "there"},
+                             "k": [{"type": "function"}], "r0": {"role": "assistant", "content": "x"}})
+    assert resolved.messages[1]["content"] == "there" and resolved.purpose == "summary"
+    assert resolved.reply == {"role": "assistant", "content": "x"} and resolved.completion_token_ids == [[5, 6], [7]]
