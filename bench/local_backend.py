@@ -5,9 +5,10 @@ held to a JSON Schema (constrained decoding).
     python -m bench.local_backend --episodes 16 [--adapter DIR]   # agent episodes, prefix cache off vs on
 
 ``--episodes N``: N tools-suite validation tasks through the agent loop at temperature 0 (8 at once), with the base
-and (``--adapter``) a trained adapter, each with the prefix cache off and on, every configuration in a fresh
-process: episodes per minute and their ratio, steps, prompt tokens computed and saved, and the process's peak RSS.
-Target: at least 3x for an adapter whose episodes take several steps.
+and a trained adapter (``--adapter``, by default the committed fixture ``bench/fixtures/tools-sft-r4``, whose
+episodes run to the step limit), each with the prefix cache off and on, every configuration in a fresh process:
+episodes per minute and their ratio, steps, prompt tokens computed and saved, the cache's size at the end, and the
+process's peak RSS. Target: at least 3x for the adapter's multi-step episodes.
 
 Every request generates exactly ``--max-tokens`` tokens (``ignore_eos``; the schema's text is longer than that can
 hold), so tokens/s compares equal work. The four measurements are interleaved for ``--rounds`` rounds and the
@@ -35,6 +36,7 @@ from gateway.backends.local.grammar import Masks, answer_schema, matcher, output
 from gateway.config import BackendSettings
 
 DEFAULT_PREFIX_CACHE_MB = BackendSettings.model_fields["prefix_cache_mb"].default
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "tools-sft-r4"  # made by bench/make_adapter_fixture.py
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",
@@ -113,12 +115,13 @@ async def _episodes_child(count: int, adapter: str | None, cache_mb: int) -> dic
         peak = next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:")) / 1024
     return {"episodes": len(episodes), "seconds": seconds, "steps": sum(e.steps for e in episodes),
             "successes": sum(e.success for e in episodes), "peak_rss_mb": peak,
+            "cache_mb": after["bytes"] / 2**20,
             **{k: after[k] - before[k] for k in ("prefill_computed", "prefill_saved", "hits")}}
 
 
 def _stats(backend: LocalBackend) -> dict[str, int]:
     stats = backend.prefix_stats
-    return {k: getattr(stats, k) if stats else 0 for k in ("prefill_computed", "prefill_saved", "hits")}
+    return {k: getattr(stats, k) if stats else 0 for k in ("prefill_computed", "prefill_saved", "hits", "bytes")}
 
 
 def _episodes(count: int, adapter_dir: str | None) -> None:
@@ -134,8 +137,10 @@ def _episodes(count: int, adapter_dir: str | None) -> None:
             label = f"{'adapter' if adapter else 'base':7} cache {'on ' if cache_mb else 'off'}"
             print(f"{label}: {r['episodes']} episodes ({r['steps']} steps, {r['successes']} solved) in "
                   f"{r['seconds']:6.1f} s = {per_minute:5.1f}/min; "
-                  f"prompt tokens computed {r['prefill_computed']:,}, saved {r['prefill_saved']:,}; "
-                  f"peak RSS {r['peak_rss_mb']:,.0f} MiB")
+                  + (f"prompt tokens computed {r['prefill_computed']:,}, saved {r['prefill_saved']:,}, "
+                     f"cache {r['cache_mb']:.0f} MiB; "
+                     if cache_mb else "every prompt prefilled whole; ")
+                  + f"peak RSS {r['peak_rss_mb']:,.0f} MiB")
     for adapter in adapters:
         off, on = rows[adapter, 0], rows[adapter, DEFAULT_PREFIX_CACHE_MB]
         speedup = off["seconds"] / on["seconds"]
@@ -151,7 +156,9 @@ async def main() -> None:
     parser.add_argument("--threads", type=int)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--episodes", type=int, default=0, help="Also compare agent episodes, cache off vs on.")
-    parser.add_argument("--adapter", help="With --episodes: a trained adapter folder to compare too.")
+    parser.add_argument("--adapter", default=str(FIXTURE),
+                        help="With --episodes: a trained adapter folder to compare too (default: the committed "
+                             "fixture, whose episodes take several steps; '' for the base alone).")
     parser.add_argument("--child-episodes", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_episodes:

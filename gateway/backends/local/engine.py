@@ -34,7 +34,7 @@ from transformers import DynamicCache
 from gateway.backends.base import AdapterNotLoaded, BackendError
 from gateway.backends.local.adapters import Adapter, LoraModel
 from gateway.backends.local.grammar import Masks, matcher, tokenizer_for
-from gateway.backends.local.prefix_cache import Layers, PrefixCache
+from gateway.backends.local.prefix_cache import Layers, Prefix, PrefixCache
 from gateway.backends.local.sampling import Choice, SamplingParams, choose, generators, shape_logits
 from gateway.backends.local.text import TextTracker
 from gateway.backends.local_model import LoadedModel
@@ -101,6 +101,11 @@ class _Sequence:
     text: TextTracker
     matcher: LLMatcher | None = None  # what the output must match, when the job is constrained
     token_ids: list[int] = field(default_factory=list)
+
+
+# Prompt tokens per row and forward pass in a prefill: the activations of a pass (attention scores grow with chunk x
+# context) stay bounded however long the prompts are, for one more pass per chunk.
+PREFILL_CHUNK = 256
 
 
 def _left_pad(tensor: torch.Tensor, amount: int, dim: int) -> torch.Tensor:
@@ -275,11 +280,11 @@ class Engine:
         values together from where their cache ends, the others together from the start."""
         fresh, hits = [], []
         for job in jobs:
-            reused, layers = self.prefix.longest(_key(job), job.prompt_ids) if self.prefix else (0, None)
-            if layers is None:
+            hit = self.prefix.longest(_key(job), job.prompt_ids) if self.prefix else None
+            if hit is None:
                 fresh.append(job)
             else:
-                hits.append((job, reused, layers))
+                hits.append((job, hit))
         if hits:
             self._join(*self._prefill_after(hits))
         if fresh:
@@ -290,32 +295,41 @@ class Engine:
         ids = torch.tensor([[self.pad_token_id] * (width - len(j.prompt_ids)) + j.prompt_ids for j in jobs])
         mask = torch.tensor([[0] * (width - len(j.prompt_ids)) + [1] * len(j.prompt_ids) for j in jobs])
         cache = DynamicCache(config=self.base_model.config)
-        out = self._forward([job.adapter for job in jobs], input_ids=ids, attention_mask=mask,
-                            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                            past_key_values=cache, use_cache=True, logits_to_keep=1)
+        logits = self._prefill_chunks(jobs, ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache)
         if self.prefix is not None:
             for job in jobs:
                 self.prefix.count(computed=len(job.prompt_ids), saved=0)
             self._remember(jobs, [job.prompt_ids for job in jobs], cache, mask)
-        return self._rows_of(jobs, cache, mask, out.logits[:, -1, :].float())
+        return self._rows_of(jobs, cache, mask, logits)
 
-    def _prefill_after(self, hits: list[tuple[Job, int, Layers]]
+    def _prefill_chunks(self, jobs: list[Job], ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                        cache: DynamicCache) -> torch.Tensor:
+        """Run ``ids`` into ``cache`` (which holds the first columns of ``mask`` already), ``PREFILL_CHUNK``
+        columns a pass; the last position's logits."""
+        past = mask.shape[1] - ids.shape[1]
+        for start in range(0, ids.shape[1], PREFILL_CHUNK):
+            end = min(start + PREFILL_CHUNK, ids.shape[1])
+            out = self._forward([job.adapter for job in jobs], input_ids=ids[:, start:end],
+                                attention_mask=mask[:, :past + end], position_ids=positions[:, start:end],
+                                past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :].float()
+
+    def _prefill_after(self, hits: list[tuple[Job, Prefix]]
                        ) -> tuple[list[_Sequence], DynamicCache, torch.Tensor, torch.Tensor]:
-        """Prefill each prompt's tokens after its ``reused`` ones, whose keys and values its layers hold.
+        """Prefill each prompt's tokens after its cached prefix.
 
         One forward pass for all: the cached parts are left-padded to the longest, the new parts too, so a row
         reads [padding, cached, padding, new]; the mask hides the padding and the positions count real tokens.
         """
         assert self.prefix is not None
-        jobs = [job for job, _, _ in hits]
-        cached = max(reused for _, reused, _ in hits)
-        new = max(len(job.prompt_ids) - reused for job, reused, _ in hits)
-        cache = DynamicCache(ddp_cache_data=[
-            (torch.cat([_left_pad(layers[n][0], cached - reused, 2) for _, reused, layers in hits]),
-             torch.cat([_left_pad(layers[n][1], cached - reused, 2) for _, reused, layers in hits]))
-            for n in range(len(hits[0][2]))], config=self.base_model.config)
+        jobs = [job for job, _ in hits]
+        cached = max(hit.length for _, hit in hits)
+        new = max(len(job.prompt_ids) - hit.length for job, hit in hits)
+        cache = DynamicCache(ddp_cache_data=self.prefix.gather([hit for _, hit in hits], cached),
+                             config=self.base_model.config)
         ids, mask, positions = [], [], []
-        for job, reused, _ in hits:
+        for job, hit in hits:
+            reused = hit.length
             suffix = job.prompt_ids[reused:]
             gap = new - len(suffix)
             ids.append([self.pad_token_id] * gap + suffix)
@@ -323,21 +337,27 @@ class Engine:
             positions.append([0] * gap + list(range(reused, len(job.prompt_ids))))
             self.prefix.count(computed=len(suffix), saved=reused)
         mask_tensor = torch.tensor(mask)
-        out = self._forward([job.adapter for job in jobs], input_ids=torch.tensor(ids), attention_mask=mask_tensor,
-                            position_ids=torch.tensor(positions), past_key_values=cache, use_cache=True,
-                            logits_to_keep=1)
+        logits = self._prefill_chunks(jobs, torch.tensor(ids), mask_tensor, torch.tensor(positions), cache)
         self._remember(jobs, [job.prompt_ids for job in jobs], cache, mask_tensor)
-        return self._rows_of(jobs, cache, mask_tensor, out.logits[:, -1, :].float())
+        return self._rows_of(jobs, cache, mask_tensor, logits)
 
-    def _remember(self, rows: list[Job], ids: list[list[int]], cache: DynamicCache, mask: torch.Tensor) -> None:
-        """Keep the keys and values of each row's real positions (``mask``), which hold the tokens ``ids``."""
+    def _remember(self, jobs: list[Job], ids: list[list[int]], cache: DynamicCache, mask: torch.Tensor,
+                  rows: list[int] | None = None) -> None:
+        """Keep the keys and values of each job's row of the batch (``rows``, else the first ones in order): its
+        real positions (``mask``), which hold the tokens ``ids``."""
         assert self.prefix is not None
         layers = cache.to_legacy_cache()
-        for k, (job, tokens) in enumerate(zip(rows, ids, strict=True)):
+
+        def positions(k: int, real: torch.Tensor) -> Callable[[int], Layers]:
+            # Indexing with a tensor of positions copies just those: the entry never holds a view of the batch,
+            # and only what the cache does not hold yet is copied.
+            return lambda start: [(key[k:k + 1, :, real[start:]], value[k:k + 1, :, real[start:]])
+                                  for key, value in layers]
+
+        for job, tokens, k in zip(jobs, ids, rows or range(len(jobs)), strict=True):
             real = mask[k].nonzero()[:, 0]
             if len(real) == len(tokens):
-                self.prefix.add(_key(job), tokens, [(key[k:k + 1, :, real], value[k:k + 1, :, real])
-                                                    for key, value in layers])
+                self.prefix.add(_key(job), tokens, positions(k, real))
 
     def _rows_of(self, jobs: list[Job], cache: DynamicCache, mask: torch.Tensor, logits: torch.Tensor
                  ) -> tuple[list[_Sequence], DynamicCache, torch.Tensor, torch.Tensor]:
@@ -374,14 +394,9 @@ class Engine:
         """Keep the keys and values of the rows that just finished: the prompt and the reply up to its last token
         (which was sampled, never fed), where the next turn of the conversation will start."""
         assert self._cache is not None and self._mask is not None
-        if not finished:
-            return
-        index = torch.tensor(finished, dtype=torch.long)
         rows = [self._rows[i] for i in finished]
-        cache = DynamicCache(ddp_cache_data=[(k[index], v[index]) for k, v in self._cache.to_legacy_cache()],
-                             config=self.base_model.config)
-        self._remember([row.job for row in rows], [row.job.prompt_ids + row.token_ids[:-1] for row in rows], cache,
-                       self._mask[index])
+        self._remember([row.job for row in rows], [row.job.prompt_ids + row.token_ids[:-1] for row in rows],
+                       self._cache, self._mask, finished)
 
     # -- one decoding step -----------------------------------------------------------------------
 

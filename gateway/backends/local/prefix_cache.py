@@ -7,14 +7,20 @@ the longest common run of leading token ids with its prompt, so requests that on
 specs share those too. The keys and values of a position depend on the tokens up to it alone (causal attention,
 rotary positions from 0 in every row), so the reused part is what a fresh prefill would compute.
 
-Entries are evicted least recently used first once their bytes pass the budget; one larger than the budget is not
-kept. An entry the new one extends is dropped (the new one holds it). Everything here runs on the engine thread;
-``stats`` is read from any thread (a snapshot of ints).
+Entries form a tree: a new entry keeps only the positions after the longest prefix an entry already holds and
+points at that entry for the rest, so eight episodes that share a 440-token system prompt and tool specs hold it
+once, and each step of an episode adds only its new turn. An entry the new one extends is hidden (no longer matched:
+the new one covers it) and lives on only while entries point at it. Entries are evicted least recently used first
+once the bytes of all nodes pass the budget; evicting one frees it and every hidden node nothing else points at.
+A hit's keys and values are copied into the batch's own cache before anything is added, so eviction can never take
+them from under a running request: nothing needs pinning. Everything here runs on the engine thread; ``stats`` is
+read from any thread (a snapshot of ints).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,12 +29,34 @@ Layers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys and values, 
 MIN_REUSE = 8  # fewer shared tokens than this are prefilled afresh: not worth a forward pass of their own
 
 
-@dataclass
-class _Entry:
+@dataclass(eq=False)
+class _Node:
     adapter: str | None
-    ids: torch.Tensor  # [positions], the tokens whose keys and values ``layers`` hold
-    layers: Layers
+    ids: torch.Tensor  # [positions], every token from the first: the parent's ``start`` and this node's own
+    parent: _Node | None
+    start: int  # positions before this one are the parent's
+    layers: Layers  # this node's own positions, ``start`` to ``len(ids)``
     nbytes: int
+    children: int = 0
+    visible: bool = True  # matched by lookups; a hidden node is kept only for its children
+
+    def pieces(self, n: int) -> list[tuple[_Node, int, int]]:
+        """Which nodes hold positions 0..n, as (node, first position, end), first position first."""
+        out, node, end = [], self, n
+        while node is not None:
+            if end > node.start:
+                out.append((node, node.start, end))
+                end = node.start
+            node = node.parent
+        return out[::-1]
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """A hit: the first ``length`` positions of an entry."""
+
+    node: _Node
+    length: int
 
 
 @dataclass
@@ -38,36 +66,55 @@ class PrefixStats:
     prefill_computed: int = 0  # prompt tokens run through the model
     prefill_saved: int = 0  # prompt tokens taken from the cache instead
     evictions: int = 0
-    entries: int = 0
-    bytes: int = 0
+    entries: int = 0  # sequences a lookup can match
+    bytes: int = 0  # every node's own keys and values
 
 
 class PrefixCache:
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes
         self.stats = PrefixStats()
-        self._entries: OrderedDict[int, _Entry] = OrderedDict()
-        self._serial = 0
+        self._visible: OrderedDict[int, _Node] = OrderedDict()  # by id(node), least recently used first
 
-    def longest(self, adapter: str | None, prompt_ids: list[int]) -> tuple[int, Layers | None]:
-        """How many leading tokens of the prompt the cache holds (leaving at least one to prefill, whose logits
-        the first sample needs), and their keys and values (views, valid until the next ``add``)."""
-        prompt = torch.tensor(prompt_ids)
-        best, best_key = 0, None
-        for key, entry in self._entries.items():
-            if entry.adapter != adapter:
+    def _match(self, adapter: str | None, ids: torch.Tensor, limit: int) -> tuple[int, _Node | None]:
+        """The entry sharing the most leading tokens with ``ids`` (at most ``limit``), and how many."""
+        best, best_node = 0, None
+        for node in self._visible.values():
+            if node.adapter != adapter:
                 continue
-            n = min(len(entry.ids), len(prompt) - 1)
+            n = min(len(node.ids), limit)
             if n <= best:
                 continue
-            differs = (entry.ids[:n] != prompt[:n]).nonzero()
+            differs = (node.ids[:n] != ids[:n]).nonzero()
             shared = n if differs.numel() == 0 else int(differs[0])
             if shared > best:
-                best, best_key = shared, key
-        if best_key is None or best < MIN_REUSE:
-            return 0, None
-        self._entries.move_to_end(best_key)
-        return best, [(k[:, :, :best], v[:, :, :best]) for k, v in self._entries[best_key].layers]
+                best, best_node = shared, node
+        return best, best_node
+
+    def longest(self, adapter: str | None, prompt_ids: list[int]) -> Prefix | None:
+        """The longest cached prefix of the prompt, leaving at least one token to prefill (whose logits the first
+        sample needs); None below ``MIN_REUSE`` tokens. Valid until the next ``add``."""
+        shared, node = self._match(adapter, torch.tensor(prompt_ids), len(prompt_ids) - 1)
+        if node is None or shared < MIN_REUSE:
+            return None
+        self._visible.move_to_end(id(node))
+        return Prefix(node, shared)
+
+    def gather(self, hits: list[Prefix], width: int) -> Layers:
+        """The hits' keys and values as one batch, each row's right-aligned in ``width`` positions (zeros before)."""
+        out = []
+        for layer in range(len(hits[0].node.layers)):
+            k0 = hits[0].node.layers[layer][0]
+            keys = k0.new_zeros((len(hits), k0.shape[1], width, k0.shape[3]))
+            values = torch.zeros_like(keys)
+            for row, hit in enumerate(hits):
+                offset = width - hit.length
+                for node, first, end in hit.node.pieces(hit.length):
+                    k, v = node.layers[layer]
+                    keys[row, :, offset + first:offset + end] = k[0, :, first - node.start:end - node.start]
+                    values[row, :, offset + first:offset + end] = v[0, :, first - node.start:end - node.start]
+            out.append((keys, values))
+        return out
 
     def count(self, *, computed: int, saved: int) -> None:
         self.stats.prefill_computed += computed
@@ -77,30 +124,48 @@ class PrefixCache:
         else:
             self.stats.misses += 1
 
-    def add(self, adapter: str | None, ids: list[int], layers: Layers) -> None:
-        """Keep the keys and values of ``ids`` (copied: the batch's tensors are freed as it moves on)."""
+    def add(self, adapter: str | None, ids: list[int], positions_from: Callable[[int], Layers]) -> None:
+        """Keep the keys and values of ``ids``: only those after the longest prefix already held, which
+        ``positions_from(start)`` gives as new tensors (not views of the batch's, which it frees as it moves on)."""
         if not ids:
             return
-        nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+        tokens = torch.tensor(ids)
+        shared, parent = self._match(adapter, tokens, len(tokens))
+        if shared == len(tokens):  # an entry already holds all of it
+            self._visible.move_to_end(id(parent))
+            return
+        if shared < MIN_REUSE:
+            shared, parent = 0, None
+        own = positions_from(shared)
+        nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in own)
         if nbytes > self.budget_bytes:
             return
-        tokens = torch.tensor(ids)
-        for key in [k for k, e in self._entries.items() if e.adapter == adapter and len(e.ids) <= len(tokens)
-                    and torch.equal(e.ids, tokens[:len(e.ids)])]:
-            self._drop(key)
-        self._serial += 1
-        self._entries[self._serial] = _Entry(adapter, tokens, [(k.clone(), v.clone()) for k, v in layers], nbytes)
+        node = _Node(adapter, tokens, parent, shared, own, nbytes)
+        if parent is not None:
+            parent.children += 1
+        for extended in [n for n in self._visible.values() if n.adapter == adapter and len(n.ids) <= len(tokens)
+                         and torch.equal(n.ids, tokens[:len(n.ids)])]:
+            self._hide(extended)
+        self._visible[id(node)] = node
         self.stats.bytes += nbytes
         while self.stats.bytes > self.budget_bytes:
-            self._drop(next(iter(self._entries)))
+            self._hide(next(iter(self._visible.values())))
             self.stats.evictions += 1
-        self.stats.entries = len(self._entries)
+        self.stats.entries = len(self._visible)
 
     def forget(self, adapter: str) -> None:
         """Drop an unloaded adapter's entries."""
-        for key in [k for k, e in self._entries.items() if e.adapter == adapter]:
-            self._drop(key)
-        self.stats.entries = len(self._entries)
+        for node in [n for n in self._visible.values() if n.adapter == adapter]:
+            self._hide(node)
+        self.stats.entries = len(self._visible)
 
-    def _drop(self, key: int) -> None:
-        self.stats.bytes -= self._entries.pop(key).nbytes
+    def _hide(self, node: _Node) -> None:
+        """No longer match ``node``; free it, and the hidden nodes above it, once nothing points at them."""
+        del self._visible[id(node)]
+        node.visible = False
+        while node is not None and not node.visible and node.children == 0:
+            self.stats.bytes -= node.nbytes
+            parent, node.parent = node.parent, None
+            if parent is not None:
+                parent.children -= 1
+            node = parent

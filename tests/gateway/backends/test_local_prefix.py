@@ -91,6 +91,20 @@ async def test_two_episodes_share_their_system_prompt(pair: tuple[LocalBackend, 
     assert cached.prefix_stats.hits == 1 and cached.prefix_stats.prefill_saved - before >= shared
 
 
+async def test_entries_hold_a_shared_prefix_once(pair: tuple[LocalBackend, ...], smol_tokenizer: Any) -> None:
+    cached, _ = pair
+    stats = cached.prefix_stats
+    first, second = (encode_prompt(smol_tokenizer, _episode(0, i)) for i in (1, 2))
+    await cached.chat(_req(_episode(0, 1), max_tokens=1))  # one entry: the prompt (the reply adds no position)
+    per_token = stats.bytes / len(first)
+    await cached.chat(_req(_episode(0, 2), max_tokens=1))
+    shared = len(encode_prompt(smol_tokenizer, [SYSTEM]))
+    # the second entry holds only what follows the system prompt; the first's positions serve it the rest
+    assert stats.entries == 2 and stats.bytes - len(first) * per_token <= (len(second) - shared) * per_token
+    again = await _ids(cached, _req(_episode(0, 2)))
+    assert stats.hits == 2 and again == await _ids(pair[1], _req(_episode(0, 2)))
+
+
 async def test_an_adapters_entry_serves_that_adapter_alone(pair: tuple[LocalBackend, ...]) -> None:
     cached, _ = pair
     stats = cached.prefix_stats
@@ -117,3 +131,46 @@ async def test_eviction_keeps_the_cache_within_its_budget(tiny_model_dir: Path) 
         assert stats.hits >= 1
     finally:
         await backend.aclose()
+
+
+def test_a_hidden_entry_lives_as_long_as_an_entry_points_at_it() -> None:
+    import torch
+
+    from gateway.backends.local.prefix_cache import PrefixCache
+
+    def positions(n: int) -> Any:
+        return lambda start: [(torch.ones(1, 2, n - start, 4), torch.ones(1, 2, n - start, 4))]
+
+    per_token = 2 * 2 * 4 * 4  # keys and values, 2 heads x 4 dims of float32
+    cache = PrefixCache(budget_bytes=100 * per_token)
+    system = list(range(100, 140))
+    first, second = system + [1] * 10, system + [2] * 10
+    cache.add(None, first, positions(len(first)))
+    cache.add(None, first + [3] * 10, positions(len(first) + 10))  # extends the first: it is hidden, not freed
+    cache.add(None, second, positions(len(second)))  # shares the system prompt with them
+    assert cache.stats.entries == 2 and cache.stats.bytes == (50 + 10 + 10) * per_token
+    hit = cache.longest(None, second + [9])
+    assert hit is not None and hit.length == 50
+    [(keys, _)] = cache.gather([hit], 52)
+    assert keys.shape == (1, 2, 52, 4) and keys[0, :, :2].abs().sum() == 0 and keys[0, :, 2:].min() == 1
+    cache.add(None, list(range(500, 580)), positions(80))  # over budget: the oldest go, and what they held
+    assert cache.stats.evictions == 2 and cache.stats.entries == 1 and cache.stats.bytes == 80 * per_token
+    cache.forget("nobody")
+    assert cache.stats.bytes == 80 * per_token
+
+
+async def test_a_prompt_prefilled_in_chunks_gives_the_same_output(pair: tuple[LocalBackend, ...],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway.backends.local import engine
+
+    cached, plain = pair
+    prompts = [(_episode(4, i), adapter) for i, adapter in enumerate([None, A, B])]
+    start = plain._engine.forward_passes
+    whole = await asyncio.gather(*(_ids(plain, _req(m, a)) for m, a in prompts))
+    unchunked = plain._engine.forward_passes - start
+    monkeypatch.setattr(engine, "PREFILL_CHUNK", 16)  # every prompt here takes several passes
+    assert await asyncio.gather(*(_ids(plain, _req(m, a)) for m, a in prompts)) == whole
+    assert plain._engine.forward_passes - start - unchunked >= unchunked + 3
+    # and a cache hit's new tokens too, chunked after the cached part
+    await cached.chat(_req(_episode(3, 0)))
+    assert await _ids(cached, _req(_episode(4, 0))) == whole[0] and cached.prefix_stats.hits == 1
