@@ -285,8 +285,11 @@ class Engine:
                 fresh.append(job)
             else:
                 hits.append((job, hit))
-        if hits:
-            self._join(*self._prefill_after(hits))
+        by_new: dict[int, list[tuple[Job, Prefix]]] = {}
+        for job, hit in hits:
+            by_new.setdefault((len(job.prompt_ids) - hit.length - 1) // PREFILL_CHUNK, []).append((job, hit))
+        for group in by_new.values():
+            self._join(*self._prefill_after(group))
         if fresh:
             self._join(*self._prefill_fresh(fresh))
 
@@ -318,24 +321,25 @@ class Engine:
                        ) -> tuple[list[_Sequence], DynamicCache, torch.Tensor, torch.Tensor]:
         """Prefill each prompt's tokens after its cached prefix.
 
-        One forward pass for all: the cached parts are left-padded to the longest, the new parts too, so a row
-        reads [padding, cached, padding, new]; the mask hides the padding and the positions count real tokens.
+        One forward pass for all, the new tokens in the last columns: a row with fewer new tokens than the most
+        recomputes the end of its cached part instead, so every row reads [padding, cached, new] and the batch is
+        no wider than its longest prompt (a gap of padding would stay in the batch, and be attended over, until
+        the row ends). ``_prefill`` groups hits by how many new tokens they have, which bounds what is recomputed.
         """
         assert self.prefix is not None
         jobs = [job for job, _ in hits]
-        cached = max(hit.length for _, hit in hits)
         new = max(len(job.prompt_ids) - hit.length for job, hit in hits)
+        hits = [(job, Prefix(hit.node, len(job.prompt_ids) - new)) for job, hit in hits]
+        cached = max(hit.length for _, hit in hits)
         cache = DynamicCache(ddp_cache_data=self.prefix.gather([hit for _, hit in hits], cached),
                              config=self.base_model.config)
         ids, mask, positions = [], [], []
         for job, hit in hits:
             reused = hit.length
-            suffix = job.prompt_ids[reused:]
-            gap = new - len(suffix)
-            ids.append([self.pad_token_id] * gap + suffix)
-            mask.append([0] * (cached - reused) + [1] * reused + [0] * gap + [1] * len(suffix))
-            positions.append([0] * gap + list(range(reused, len(job.prompt_ids))))
-            self.prefix.count(computed=len(suffix), saved=reused)
+            ids.append(job.prompt_ids[reused:])
+            mask.append([0] * (cached - reused) + [1] * len(job.prompt_ids))
+            positions.append(list(range(reused, len(job.prompt_ids))))
+            self.prefix.count(computed=new, saved=reused)
         mask_tensor = torch.tensor(mask)
         logits = self._prefill_chunks(jobs, torch.tensor(ids), mask_tensor, torch.tensor(positions), cache)
         self._remember(jobs, [job.prompt_ids for job in jobs], cache, mask_tensor)
