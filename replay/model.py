@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import orjson
@@ -36,16 +36,10 @@ def content_text(content: Any) -> str | None:
     return str(content)
 
 
-@dataclass(frozen=True, slots=True)
-class ModelCall:
-    """One backend call, as sent and as answered."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _CallColumns:
+    """What a model call's two depths share: the columns read as they are stored."""
 
-    id: str
-    seq: int
-    created_at: float
-    status: str  # ok | error | client_disconnected
-    request: dict[str, Any]  # the exact request as sent: messages, tools and every other parameter
-    response: dict[str, Any] | None  # with each choice's message
     backend: str | None = None
     model: str | None = None
     adapter: str | None = None
@@ -55,6 +49,18 @@ class ModelCall:
     completion_tokens: int | None = None
     latency_ms: float | None = None
     ttft_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCall(_CallColumns):
+    """One backend call, as sent and as answered."""
+
+    id: str
+    seq: int
+    created_at: float
+    status: str  # ok | error | client_disconnected
+    request: dict[str, Any]  # the exact request as sent: messages, tools and every other parameter
+    response: dict[str, Any] | None  # with each choice's message
     prompt_token_ids: list[int] | None = None
     completion_token_ids: list[list[int]] | None = None  # per choice
     # Per choice and completion token: the log-probability under the model itself (temperature 1, nothing masked:
@@ -89,7 +95,7 @@ class ModelCall:
 
 
 @dataclass(frozen=True, slots=True)
-class StoredCall:
+class StoredCall(_CallColumns):
     """A model call as the store holds it: its messages, tool specs and replies as keys of bodies stored once each
     (the ``blobs`` table, shared by every call that sent them), its parameters and response as JSON text, its token
     ids and log-probabilities packed. ``resolve`` turns it into a ``ModelCall``."""
@@ -104,15 +110,6 @@ class StoredCall:
     reply_keys: list[str]  # per choice
     params: str | None
     response: str | None
-    backend: str | None = None
-    model: str | None = None
-    adapter: str | None = None
-    stream: bool = False
-    error: str | None = None
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    latency_ms: float | None = None
-    ttft_ms: float | None = None
     packed_prompt_ids: bytes | None = None
     packed_completion_ids: bytes | None = None
     packed_logprobs: bytes | None = None
@@ -167,9 +164,8 @@ class StoredCall:
             request={"messages": [bodies.get(k) for k in self.request_keys],
                      "tools": bodies.get(self.tools_key) if self.tools_key else None,
                      **orjson.loads(self.params or "{}")},
-            response=response, backend=self.backend, model=self.model, adapter=self.adapter, stream=self.stream,
-            error=self.error, prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-            latency_ms=self.latency_ms, ttft_ms=self.ttft_ms, prompt_token_ids=unpack(self.packed_prompt_ids),
+            response=response, **{f.name: getattr(self, f.name) for f in fields(_CallColumns)},
+            prompt_token_ids=unpack(self.packed_prompt_ids),
             completion_token_ids=unpack(self.packed_completion_ids),
             completion_logprobs=unpack(self.packed_logprobs),
             completion_sampled_logprobs=unpack(self.packed_sampled_logprobs))

@@ -60,10 +60,11 @@ CALL_COLUMNS = ("trajectory_id, id, seq, created_at, status, request_messages, t
 def stored_call(row: Sequence[Any]) -> StoredCall:
     """A ``CALL_COLUMNS`` row as a ``StoredCall``."""
     (tid, cid, seq, created, status, request, tools, replies, params, response, backend, model, adapter, stream,
-     *rest) = row
+     error, prompt_tokens, completion_tokens, latency_ms, ttft_ms, *packed) = row
     return StoredCall(tid, cid, seq, created, status, orjson.loads(request), tools,
-                      orjson.loads(replies) if replies else [], params, response, backend, model, adapter,
-                      bool(stream), *rest)
+                      orjson.loads(replies) if replies else [], params, response, *packed, backend=backend,
+                      model=model, adapter=adapter, stream=bool(stream), error=error, prompt_tokens=prompt_tokens,
+                      completion_tokens=completion_tokens, latency_ms=latency_ms, ttft_ms=ttft_ms)
 
 
 async def _calls(db: aiosqlite.Connection, trajectory_id: str) -> list[ModelCall]:
