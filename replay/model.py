@@ -36,7 +36,7 @@ def content_text(content: Any) -> str | None:
     return str(content)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)
 class _CallColumns:
     """What a model call's two depths share: the columns read as they are stored."""
 
@@ -51,7 +51,7 @@ class _CallColumns:
     ttft_ms: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ModelCall(_CallColumns):
     """One backend call, as sent and as answered."""
 
@@ -94,7 +94,7 @@ class ModelCall(_CallColumns):
                 "completion_sampled_logprobs": self.completion_sampled_logprobs}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StoredCall(_CallColumns):
     """A model call as the store holds it: its messages, tool specs and replies as keys of bodies stored once each
     (the ``blobs`` table, shared by every call that sent them), its parameters and response as JSON text, its token
