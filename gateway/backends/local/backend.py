@@ -33,8 +33,9 @@ from gateway.backends.base import (
     ChatResult,
 )
 from gateway.backends.local.adapters import Adapter, lora_config
-from gateway.backends.local.engine import Engine, Event, Job, Token
+from gateway.backends.local.engine import Engine
 from gateway.backends.local.grammar import answer_schema, output_grammar
+from gateway.backends.local.jobs import Event, Job, Token
 from gateway.backends.local.prefix_cache import PrefixCache, PrefixStats
 from gateway.backends.local.replies import (
     Events,

@@ -14,7 +14,7 @@ from llguidance import LLTokenizer
 
 from gateway.agent.parsing import ToolCallStreamFilter, parse_tool_calls
 from gateway.backends.base import CallExtras
-from gateway.backends.local.engine import Event, Failure, Finish, Job, Token
+from gateway.backends.local.jobs import Event, Failure, Finish, Job, Token
 from gateway.backends.local.sampling import SamplingParams
 
 

@@ -16,7 +16,8 @@ skip_without("local")
 import torch
 
 from gateway.backends.local import engine as engine_module
-from gateway.backends.local.engine import Engine, Event, Failure, Finish, Job, Token
+from gateway.backends.local.engine import Engine
+from gateway.backends.local.jobs import Event, Failure, Finish, Job, Token
 from gateway.backends.local.sampling import SamplingParams
 from gateway.backends.local_model import LoadedModel, load_model
 
