@@ -44,7 +44,7 @@ import structlog
 from replay import hashing
 from replay.filters import Filters
 from replay.model import StoredCall
-from replay.queries import CALL_COLUMNS, stored_call
+from replay.queries import CALL_COLUMNS_WITHOUT_LOGPROBS, stored_call
 from replay.records import new_id
 from replay.redact import Redactor
 from replay.vocabulary import CALL_OK
@@ -185,7 +185,8 @@ def _calls(conn: sqlite3.Connection, ids: list[str], include_failed: bool) -> di
     status = "" if include_failed else f"AND status = '{CALL_OK}'"
     out: dict[str, list[StoredCall]] = {}
     for row in conn.execute(
-            f"""SELECT {CALL_COLUMNS} FROM model_calls WHERE trajectory_id IN (SELECT value FROM json_each(?)) {status}
+            f"""SELECT {CALL_COLUMNS_WITHOUT_LOGPROBS} FROM model_calls
+                WHERE trajectory_id IN (SELECT value FROM json_each(?)) {status}
                 ORDER BY trajectory_id, seq, created_at""", (orjson.dumps(ids),)):
         call = stored_call(row)
         out.setdefault(call.trajectory_id, []).append(call)

@@ -51,14 +51,17 @@ async def trajectory(db: aiosqlite.Connection, trajectory_id: str, *, tenant: st
                       run=await _run(db, trajectory_id))
 
 
-# The model_calls columns, in StoredCall's field order.
-CALL_COLUMNS = ("trajectory_id, id, seq, created_at, status, request_messages, tools_hash, response_messages, params, "
-                "response, backend, model, adapter, stream, error, prompt_tokens, completion_tokens, latency_ms, "
-                "ttft_ms, prompt_token_ids, completion_token_ids, completion_logprobs, completion_sampled_logprobs")
+# The model_calls columns, in the order ``stored_call`` reads them. Log-probabilities come last and are the largest:
+# a reader that never looks at them (the export) selects ``CALL_COLUMNS_WITHOUT_LOGPROBS`` and leaves them on disk.
+CALL_COLUMNS_WITHOUT_LOGPROBS = (
+    "trajectory_id, id, seq, created_at, status, request_messages, tools_hash, response_messages, params, response, "
+    "backend, model, adapter, stream, error, prompt_tokens, completion_tokens, latency_ms, ttft_ms, prompt_token_ids, "
+    "completion_token_ids")
+CALL_COLUMNS = CALL_COLUMNS_WITHOUT_LOGPROBS + ", completion_logprobs, completion_sampled_logprobs"
 
 
 def stored_call(row: Sequence[Any]) -> StoredCall:
-    """A ``CALL_COLUMNS`` row as a ``StoredCall``."""
+    """A ``CALL_COLUMNS`` (or ``CALL_COLUMNS_WITHOUT_LOGPROBS``) row as a ``StoredCall``."""
     (tid, cid, seq, created, status, request, tools, replies, params, response, backend, model, adapter, stream,
      error, prompt_tokens, completion_tokens, latency_ms, ttft_ms, *packed) = row
     return StoredCall(tid, cid, seq, created, status, orjson.loads(request), tools,

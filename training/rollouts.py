@@ -30,7 +30,7 @@ from replay.model import ModelCall
 from replay.records import WriteOp, new_id
 from replay.rewards import IN_FLIGHT, result_statements, score, signal_weights, step_limits, view_of
 from replay.store import TrajectoryStore
-from replay.vocabulary import ROLLOUT
+from replay.vocabulary import CALL_OK, ROLLOUT
 from training.capture import label_episodes, store_recorder
 from training.evaluate import Evaluator
 from training.metrics import Episode
@@ -82,7 +82,7 @@ async def groups_from_store(store: TrajectoryStore, ids: list[str], rewards: Map
             continue
         samples = []
         for c in stored.steps:
-            sampled = _sampled(c) if c.status == "ok" and c.prompt_token_ids and c.completion_token_ids else None
+            sampled = _sampled(c) if c.status == CALL_OK and c.prompt_token_ids and c.completion_token_ids else None
             if sampled is not None:
                 samples.append(Sample(c.prompt_token_ids, c.completion_token_ids[0], sampled[0], c.seq,
                                       temperature=sampled[1]))

@@ -231,7 +231,8 @@ class Engine:
 
     def _prefill(self, jobs: list[Job]) -> None:
         """Prefill the admitted jobs and join them to the batch: those whose prompt starts with cached keys and
-        values together from where their cache ends, the others together from the start."""
+        values from where their cache ends, together with those that have about as many new tokens; the others
+        together from the start."""
         fresh, hits = [], []
         for job in jobs:
             hit = self.prefix.longest(_key(job), job.prompt_ids) if self.prefix else None
@@ -275,10 +276,11 @@ class Engine:
                        ) -> tuple[list[_Sequence], DynamicCache, torch.Tensor, torch.Tensor]:
         """Prefill each prompt's tokens after its cached prefix.
 
-        One forward pass for all, the new tokens in the last columns: a row with fewer new tokens than the most
-        recomputes the end of its cached part instead, so every row reads [padding, cached, new] and the batch is
-        no wider than its longest prompt (a gap of padding would stay in the batch, and be attended over, until
-        the row ends). ``_prefill`` groups hits by how many new tokens they have, which bounds what is recomputed.
+        One prefill for all (in chunks of ``PREFILL_CHUNK``), the new tokens in the last columns: a row with fewer
+        new tokens than the most recomputes the end of its cached part instead, so every row reads [padding, cached,
+        new] and the batch is no wider than its longest prompt (a gap of padding would stay in the batch, and be
+        attended over, until the row ends). ``_prefill`` groups hits by how many new tokens they have, which bounds
+        what is recomputed.
         """
         assert self.prefix is not None
         jobs = [job for job, _ in hits]
