@@ -29,12 +29,13 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
 
 from gateway.backends.base import AdapterNotLoaded, BackendError
 from gateway.backends.local.adapters import Adapter, LoraModel
 from gateway.backends.local.grammar import Masks, matcher, tokenizer_for
+from gateway.backends.local.heap import map_large_allocations
 from gateway.backends.local.jobs import Event, Failure, Finish, Job, Op, Token
+from gateway.backends.local.kv import ATTENTION, BatchCache, capacity, zeros
 from gateway.backends.local.prefix_cache import Layers, Prefix, PrefixCache
 from gateway.backends.local.sampling import Choice, choose, generators, shape_logits
 from gateway.backends.local.text import TextTracker
@@ -76,6 +77,8 @@ class Engine:
 
     def __init__(self, loaded: LoadedModel, max_batch_size: int, prefix: PrefixCache | None = None) -> None:
         self.base_model = loaded.model
+        loaded.model.set_attn_implementation(ATTENTION)
+        map_large_allocations()
         self.model = LoraModel(loaded.model)  # the base model, wrapped in peft while any adapter is loaded
         self.ops: deque[Op] = deque()  # appended by the owner, drained here between steps
         self._retiring: dict[str, Callable[[], None]] = {}  # internal name -> "deleted" callback
@@ -89,7 +92,7 @@ class Engine:
         self.closing = False
         self.forward_passes = 0  # model forward calls (prefills and decode steps), for tests and metrics
         self._rows: list[_Sequence] = []
-        self._cache: DynamicCache | None = None
+        self._cache: BatchCache | None = None
         self._mask: torch.Tensor | None = None  # [rows, cached positions], 0 on left padding
         self._logits: torch.Tensor | None = None  # [rows, vocab]: next-token logits of each row
         self._grammar_tokenizer: LLTokenizer | None = None  # built for the first constrained job (~0.3 s)
@@ -248,11 +251,11 @@ class Engine:
         if fresh:
             self._join(*self._prefill_fresh(fresh))
 
-    def _prefill_fresh(self, jobs: list[Job]) -> tuple[list[_Sequence], DynamicCache, torch.Tensor, torch.Tensor]:
+    def _prefill_fresh(self, jobs: list[Job]) -> tuple[list[_Sequence], BatchCache, torch.Tensor, torch.Tensor]:
         width = max(len(job.prompt_ids) for job in jobs)
         ids = torch.tensor([[self.pad_token_id] * (width - len(j.prompt_ids)) + j.prompt_ids for j in jobs])
         mask = torch.tensor([[0] * (width - len(j.prompt_ids)) + [1] * len(j.prompt_ids) for j in jobs])
-        cache = DynamicCache(config=self.base_model.config)
+        cache = BatchCache(self.base_model.config.num_hidden_layers, reserve=width)
         logits = self._prefill_chunks(jobs, ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache)
         if self.prefix is not None:
             for job in jobs:
@@ -261,7 +264,7 @@ class Engine:
         return self._rows_of(jobs, cache, mask, logits)
 
     def _prefill_chunks(self, jobs: list[Job], ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                        cache: DynamicCache) -> torch.Tensor:
+                        cache: BatchCache) -> torch.Tensor:
         """Run ``ids`` into ``cache`` (which holds the first columns of ``mask`` already), ``PREFILL_CHUNK``
         columns a pass; the last position's logits."""
         past = mask.shape[1] - ids.shape[1]
@@ -273,7 +276,7 @@ class Engine:
         return out.logits[:, -1, :].float()
 
     def _prefill_after(self, hits: list[tuple[Job, Prefix]]
-                       ) -> tuple[list[_Sequence], DynamicCache, torch.Tensor, torch.Tensor]:
+                       ) -> tuple[list[_Sequence], BatchCache, torch.Tensor, torch.Tensor]:
         """Prefill each prompt's tokens after its cached prefix.
 
         One prefill for all (in chunks of ``PREFILL_CHUNK``), the new tokens in the last columns: a row with fewer
@@ -287,8 +290,8 @@ class Engine:
         new = max(len(job.prompt_ids) - hit.length for job, hit in hits)
         hits = [(job, Prefix(hit.node, len(job.prompt_ids) - new)) for job, hit in hits]
         cached = max(hit.length for _, hit in hits)
-        cache = DynamicCache(ddp_cache_data=self.prefix.gather([hit for _, hit in hits], cached),
-                             config=self.base_model.config)
+        layers = self.prefix.gather([hit for _, hit in hits], cached, capacity(cached + new))
+        cache = BatchCache.holding(layers, cached)
         ids, mask, positions = [], [], []
         for job, hit in hits:
             reused = hit.length
@@ -301,7 +304,7 @@ class Engine:
         self._remember(jobs, [job.prompt_ids for job in jobs], cache, mask_tensor)
         return self._rows_of(jobs, cache, mask_tensor, logits)
 
-    def _remember(self, jobs: list[Job], ids: list[list[int]], cache: DynamicCache, mask: torch.Tensor,
+    def _remember(self, jobs: list[Job], ids: list[list[int]], cache: BatchCache, mask: torch.Tensor,
                   rows: list[int] | None = None) -> None:
         """Keep the keys and values of each job's row of the batch (``rows``, else the first ones in order): its
         real positions (``mask``), which hold the tokens ``ids``."""
@@ -309,18 +312,25 @@ class Engine:
         layers = cache.to_legacy_cache()
 
         def positions(k: int, real: torch.Tensor) -> Callable[[int], Layers]:
-            # Indexing with a tensor of positions copies just those: the entry never holds a view of the batch,
-            # and only what the cache does not hold yet is copied.
-            return lambda start: [(key[k:k + 1, :, real[start:]], value[k:k + 1, :, real[start:]])
-                                  for key, value in layers]
+            # Only what the cache does not hold yet is copied, every layer's into one block of memory, which goes
+            # back to the system whole when the entry is evicted (a small tensor per layer would stay in the heap).
+            def take(start: int) -> Layers:
+                index = real[start:]
+                keys = layers[0][0]
+                block = zeros((len(layers), 2, 1, keys.shape[1], len(index), keys.shape[3]), keys.dtype)
+                for layer, (key, value) in zip(block, layers, strict=True):
+                    torch.index_select(key[k:k + 1], 2, index, out=layer[0])
+                    torch.index_select(value[k:k + 1], 2, index, out=layer[1])
+                return [(layer[0], layer[1]) for layer in block]
+            return take
 
         for job, tokens, k in zip(jobs, ids, rows or range(len(jobs)), strict=True):
             real = mask[k].nonzero()[:, 0]
             if len(real) == len(tokens):
                 self.prefix.add(_key(job), tokens, positions(k, real))
 
-    def _rows_of(self, jobs: list[Job], cache: DynamicCache, mask: torch.Tensor, logits: torch.Tensor
-                 ) -> tuple[list[_Sequence], DynamicCache, torch.Tensor, torch.Tensor]:
+    def _rows_of(self, jobs: list[Job], cache: BatchCache, mask: torch.Tensor, logits: torch.Tensor
+                 ) -> tuple[list[_Sequence], BatchCache, torch.Tensor, torch.Tensor]:
         # The n samples of a job share its prompt: prefilled once, then its row is copied.
         rows = [_Sequence(job, i, generator, TextTracker(self.tokenizer, job.params.stop, job.params.tool_stop),
                           self._matcher(job.params.grammar))
@@ -331,7 +341,7 @@ class Engine:
             mask, logits = mask[repeat], logits[repeat]
         return rows, cache, mask, logits
 
-    def _join(self, rows: list[_Sequence], cache: DynamicCache, mask: torch.Tensor, logits: torch.Tensor) -> None:
+    def _join(self, rows: list[_Sequence], cache: BatchCache, mask: torch.Tensor, logits: torch.Tensor) -> None:
         """Add prefilled rows to the batch, left-padding whichever side is shorter."""
         log.debug("local.admitted", requests=len({row.job for row in rows}), sequences=len(rows),
                   running=len(self._rows))
@@ -341,11 +351,7 @@ class Engine:
         assert self._cache is not None and self._mask is not None and self._logits is not None
         old_len, new_len = self._mask.shape[1], mask.shape[1]
         width = max(old_len, new_len)
-        self._cache = DynamicCache(ddp_cache_data=[
-            (torch.cat([_left_pad(k0, width - old_len, 2), _left_pad(k1, width - new_len, 2)]),
-             torch.cat([_left_pad(v0, width - old_len, 2), _left_pad(v1, width - new_len, 2)]))
-            for (k0, v0), (k1, v1) in zip(self._cache.to_legacy_cache(), cache.to_legacy_cache(), strict=True)
-        ], config=self.base_model.config)
+        self._cache.join(cache)
         self._mask = torch.cat([_left_pad(self._mask, width - old_len, 1), _left_pad(mask, width - new_len, 1)])
         self._logits = torch.cat([self._logits, logits])
         self._rows += rows
@@ -416,9 +422,7 @@ class Engine:
         index = torch.tensor(keep)
         mask, logits = self._mask[index], self._logits[index]
         start = int(mask.argmax(dim=1).min())  # first real position of the least padded row
-        self._cache = DynamicCache(ddp_cache_data=[
-            (k[index, :, start:], v[index, :, start:]) for k, v in self._cache.to_legacy_cache()
-        ], config=self.base_model.config)
+        self._cache.select(index, start)
         self._mask, self._logits = mask[:, start:], logits
 
     def _choose(self, logits: torch.Tensor) -> list[Choice]:

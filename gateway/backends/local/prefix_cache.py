@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gateway.backends.local.kv import zeros
+
 Layers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys and values, [1, kv heads, positions, head dim]
 MIN_REUSE = 8  # fewer shared tokens than this are prefilled afresh: not worth a forward pass of their own
 
@@ -100,13 +102,14 @@ class PrefixCache:
         self._visible.move_to_end(id(node))
         return Prefix(node, shared)
 
-    def gather(self, hits: list[Prefix], width: int) -> Layers:
-        """The hits' keys and values as one batch, each row's right-aligned in ``width`` positions (zeros before)."""
+    def gather(self, hits: list[Prefix], width: int, capacity: int) -> Layers:
+        """The hits' keys and values as one batch, each row's right-aligned in the first ``width`` positions (zeros
+        before) of buffers of ``capacity`` positions, so the prefill that follows writes into them in place."""
         out = []
         for layer in range(len(hits[0].node.layers)):
             k0 = hits[0].node.layers[layer][0]
-            keys = k0.new_zeros((len(hits), k0.shape[1], width, k0.shape[3]))
-            values = torch.zeros_like(keys)
+            shape = (len(hits), k0.shape[1], capacity, k0.shape[3])
+            keys, values = zeros(shape, k0.dtype), zeros(shape, k0.dtype)
             for row, hit in enumerate(hits):
                 offset = width - hit.length
                 for node, first, end in hit.node.pieces(hit.length):

@@ -151,8 +151,9 @@ def test_a_hidden_entry_lives_as_long_as_an_entry_points_at_it() -> None:
     assert cache.stats.entries == 2 and cache.stats.bytes == (50 + 10 + 10) * per_token
     hit = cache.longest(None, second + [9])
     assert hit is not None and hit.length == 50
-    [(keys, _)] = cache.gather([hit], 52)
-    assert keys.shape == (1, 2, 52, 4) and keys[0, :, :2].abs().sum() == 0 and keys[0, :, 2:].min() == 1
+    [(keys, _)] = cache.gather([hit], 52, capacity=60)  # right-aligned in 52 positions, with room for 8 more
+    assert keys.shape == (1, 2, 60, 4) and keys[0, :, :2].abs().sum() == 0 and keys[0, :, 2:52].min() == 1
+    assert keys[0, :, 52:].abs().sum() == 0
     cache.add(None, list(range(500, 580)), positions(80))  # over budget: the oldest go, and what they held
     assert cache.stats.evictions == 2 and cache.stats.entries == 1 and cache.stats.bytes == 80 * per_token
     cache.forget("nobody")
