@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
+from gateway.prompting import DEFAULT_RENDERING, Rendering
 from replay.settings import RewardSettings, StoreSettings
 from tools.settings import AllowHosts, ConfigError, Networks, Section, ToolsSettings
 
@@ -68,6 +69,9 @@ class BackendSettings(Section):
     prefix_cache_mb: int = Field(256, ge=0, description="local: memory for keys and values kept across requests, "
                                  "so a prompt that starts like an earlier one prefills only the rest (0: off).")
     threads: int | None = Field(None, gt=0, description="local: torch threads (default: all cores).")
+    tool_rendering: Rendering = Field(DEFAULT_RENDERING, description="local: how tool specs are written into the "
+                                      "base model's prompt: 'hermes' (a line of JSON per tool) or 'compact' (a "
+                                      "signature per tool); an adapter gets the rendering it was trained with.")
     api_key: str | None = Field(None, exclude=True)
 
     @model_validator(mode="after")
@@ -197,6 +201,9 @@ class TrainingSettings(Section):
     batch_size: int = Field(8, gt=0, description="Rows per micro-batch.")
     grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
     max_seq_len: int = Field(1024, gt=0, description="Rows longer than this are cut from the left of the prompt.")
+    tool_rendering: Rendering = Field(DEFAULT_RENDERING, description="How tool specs are written into training "
+                                      "prompts ('hermes' or 'compact', as [[backends]] tool_rendering); recorded "
+                                      "in each adapter folder (rendering.json), which is served the same way.")
     checkpoints: int = Field(3, gt=0, description="Checkpoints saved per run, evenly spaced; validation picks one.")
     seed: int = Field(0, description="Seed for shuffling, mixing and initialisation.")
     min_recovered_share: float = Field(0.2, ge=0, le=1, description="Least share of rows from trajectories that "

@@ -37,7 +37,15 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from gateway.prompting import Message, encode_prompt, hermes_tool_call_text, message_text, render_prompt
+from gateway.prompting import (
+    DEFAULT_RENDERING,
+    Message,
+    Rendering,
+    encode_prompt,
+    hermes_tool_call_text,
+    message_text,
+    render_prompt,
+)
 from replay.export import ExportOptions, Row, iter_rows
 from replay.filters import Filters
 from replay.readonly import open_readonly
@@ -89,15 +97,15 @@ def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int:
 
 
 def completion_text(tokenizer: PreTrainedTokenizerBase, messages: list[Message], tools: list[dict[str, Any]] | None,
-                    completion: Message) -> str:
+                    completion: Message, rendering: Rendering = DEFAULT_RENDERING) -> str:
     """``completion`` as the chat template writes it in a finished conversation, up to its end-of-turn marker.
 
     Taken from the template itself (the finished conversation minus the prompt), so tool calls come out in the
     same Hermes ``<tool_call>`` form ``gateway.prompting`` renders earlier assistant turns in.
     """
     end = tokenizer.convert_ids_to_tokens(end_of_turn_id(tokenizer))
-    prompt = render_prompt(tokenizer, messages, tools)
-    full = render_prompt(tokenizer, [*messages, completion], tools, add_generation_prompt=False)
+    prompt = render_prompt(tokenizer, messages, tools, rendering=rendering)
+    full = render_prompt(tokenizer, [*messages, completion], tools, add_generation_prompt=False, rendering=rendering)
     if not full.startswith(prompt):
         # A template that rewrites earlier turns once the conversation goes on (none of ours does): the
         # reply in the Hermes form gateway.prompting gives assistant turns, then the end marker.
@@ -114,23 +122,26 @@ def completion_text(tokenizer: PreTrainedTokenizerBase, messages: list[Message],
 def render_example(tokenizer: PreTrainedTokenizerBase, messages: list[Message], tools: list[dict[str, Any]] | None,
                    completion: Message | None = None, completion_ids: list[int] | None = None,
                    prompt_ids: list[int] | None = None, *, finished: bool = True,
-                   max_seq_len: int | None = None, **provenance: Any) -> Example:
+                   max_seq_len: int | None = None, rendering: Rendering = DEFAULT_RENDERING,
+                   **provenance: Any) -> Example:
     """One training row: the prompt ``messages`` (+ ``tools``) and the assistant's ``completion``.
 
-    The prompt is ``prompt_ids`` when given (the ids a model was served), else ``encode_prompt`` of the messages.
+    The prompt is ``prompt_ids`` when given (the ids a model was served), else ``encode_prompt`` of the messages
+    with their tools written in ``rendering``.
     The completion is ``completion_ids`` when given (the ids it generated) — with the end-of-turn token added when
     the generation ``finished`` but the ids lack a stop token — else ``completion`` rendered by the chat template
     and ending with the end-of-turn token (none when not ``finished``: a reply cut off by the length limit must
     not teach the model to stop there). ``max_seq_len`` cuts the prompt from the left; raises ``TooLong`` when the
     completion alone does not fit. ``provenance`` fills the ``Example``'s other fields.
     """
-    prompt = list(prompt_ids) if prompt_ids is not None else encode_prompt(tokenizer, messages, tools)
+    prompt = list(prompt_ids) if prompt_ids is not None else encode_prompt(tokenizer, messages, tools,
+                                                                            rendering=rendering)
     if completion_ids is not None:
         reply = list(completion_ids)
         if finished and (not reply or reply[-1] not in stop_token_ids(tokenizer)):
             reply.append(end_of_turn_id(tokenizer))
     elif completion is not None:
-        text = completion_text(tokenizer, messages, tools, completion)
+        text = completion_text(tokenizer, messages, tools, completion, rendering)
         if not finished:
             text = _strip_end(text)
         reply = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -208,13 +219,13 @@ class DataStats:
 
 
 def examples_from_store(store_path: str | os.PathLike[str], filters: Filters, tokenizer: PreTrainedTokenizerBase, *,
-                        max_seq_len: int, exclude: Callable[[str], bool] | None = None
-                        ) -> tuple[list[Example], DataStats]:
+                        max_seq_len: int, exclude: Callable[[str], bool] | None = None,
+                        rendering: Rendering = DEFAULT_RENDERING) -> tuple[list[Example], DataStats]:
     """One example per successful model call of each trajectory ``filters`` select (the store opened read-only).
 
     Captured ids are used only where the recorded prompt ids are what this tokenizer makes of the call's messages
-    and tools (``_served_prompt``: a fresh ``encode_prompt``, up to the key order the store loses); so a trajectory
-    recorded from another model is re-rendered, never trained on foreign ids. ``exclude(text)`` drops rows
+    and tools in ``rendering`` (``_served_prompt``); so a trajectory recorded from another model, or served in
+    another rendering, is re-rendered, never trained on foreign ids. ``exclude(text)`` drops rows
     whose text (``row_text``) it flags, e.g. rows that hold test-split material.
     """
     stats = DataStats()
@@ -228,7 +239,7 @@ def examples_from_store(store_path: str | os.PathLike[str], filters: Filters, to
             recovered = is_recovered(json.loads(last.messages), last.trajectory["status"])
             for row in rows:
                 stats.calls += 1
-                example = _row_example(row, tokenizer, max_seq_len, recovered, exclude, stats)
+                example = _row_example(row, tokenizer, max_seq_len, recovered, exclude, stats, rendering)
                 if example is not None:
                     examples.append(example)
     stats.rows = len(examples)
@@ -250,7 +261,7 @@ def _by_trajectory(rows: Iterable[Row]) -> Iterator[list[Row]]:
 
 
 def _row_example(row: Row, tokenizer: PreTrainedTokenizerBase, max_seq_len: int, recovered: bool,
-                 exclude: Callable[[str], bool] | None, stats: DataStats) -> Example | None:
+                 exclude: Callable[[str], bool] | None, stats: DataStats, rendering: Rendering) -> Example | None:
     messages = json.loads(row.messages)
     if exclude is not None and exclude(row_text(messages)):
         stats.excluded += 1
@@ -259,14 +270,14 @@ def _row_example(row: Row, tokenizer: PreTrainedTokenizerBase, max_seq_len: int,
     tools = json.loads(row.tools) if row.tools else None
     captured_prompt = json.loads(row.prompt_token_ids) if row.prompt_token_ids else None
     captured_completion = json.loads(row.completion_token_ids) if row.completion_token_ids else None
-    served = captured_prompt is not None and _served_prompt(tokenizer, request, tools, captured_prompt)
+    served = captured_prompt is not None and _served_prompt(tokenizer, request, tools, captured_prompt, rendering)
     exact = served and captured_completion is not None
     try:
         example = render_example(
             tokenizer, request, tools, completion=reply, completion_ids=captured_completion if exact else None,
             prompt_ids=captured_prompt if exact else None, finished=row.call["finish_reason"] != "length",
-            max_seq_len=max_seq_len, trajectory_id=row.trajectory["trajectory_id"], seq=row.call["seq"],
-            kind="task", recovered=recovered)
+            max_seq_len=max_seq_len, rendering=rendering, trajectory_id=row.trajectory["trajectory_id"],
+            seq=row.call["seq"], kind="task", recovered=recovered)
     except TooLong:
         stats.too_long += 1
         return None
@@ -279,32 +290,15 @@ def _row_example(row: Row, tokenizer: PreTrainedTokenizerBase, max_seq_len: int,
 
 
 def _served_prompt(tokenizer: PreTrainedTokenizerBase, request: list[Message], tools: list[dict[str, Any]] | None,
-                   captured: list[int]) -> bool:
-    """Whether ``captured`` is what this tokenizer made of the request when it was served.
+                   captured: list[int], rendering: Rendering) -> bool:
+    """Whether ``captured`` is what this tokenizer makes of the request in ``rendering``: the ids it was served.
 
-    Equal to a fresh encoding, or failing that, decoding to the same text up to the order of keys in one-line JSON
-    objects: the store keeps JSON bodies with sorted keys (``replay.hashing.exact_json``), so tool specs read back
-    from it list their keys in another order than the client sent and the prompt showed. The captured ids are
-    then the truer record of the prompt. Ids from another tokenizer decode to other text and fail both tests.
-    A call with ``tool_choice: "none"`` was served without its tools, so that rendering is tried too.
+    Tool specs render the same whatever order their keys come in (the store keeps JSON with sorted keys), so a
+    fresh encoding of the stored request is the served prompt; ids from another tokenizer or another rendering are
+    not. A call with ``tool_choice: "none"`` was served without its tools, so that rendering is tried too.
     """
-    if encode_prompt(tokenizer, request, tools) == captured:
-        return True
-    text = _canonical_json_lines(tokenizer.decode(captured, skip_special_tokens=False,
-                                                  clean_up_tokenization_spaces=False))
     candidates = [tools, None] if tools else [None]
-    return any(text == _canonical_json_lines(render_prompt(tokenizer, request, t)) for t in candidates)
-
-
-def _canonical_json_lines(text: str) -> str:
-    lines = text.split("\n")
-    for i, line in enumerate(lines):
-        if line.startswith("{") and line.endswith("}"):
-            try:
-                lines[i] = json.dumps(json.loads(line), sort_keys=True, ensure_ascii=False)
-            except ValueError:
-                pass
-    return "\n".join(lines)
+    return any(encode_prompt(tokenizer, request, t, rendering=rendering) == captured for t in candidates)
 
 
 # -- mixing ------------------------------------------------------------------------------------------

@@ -185,7 +185,8 @@ async def _sft(settings: Settings, filters: Filters, suite: Suite, general: Gene
     training = settings.training
     tokenizer = await asyncio.to_thread(load_tokenizer, training.model_path)
     task_rows, stats = await asyncio.to_thread(data.examples_from_store, settings.store.path, filters, tokenizer,
-                                               max_seq_len=training.max_seq_len, exclude=leak_filter(suite))
+                                               max_seq_len=training.max_seq_len, exclude=leak_filter(suite),
+                                               rendering=training.tool_rendering)
     if not task_rows:
         raise ReplayTrainError("the selected trajectories hold no model call to train on (with --min-reward, "
                                "are any rewarded that high?)")

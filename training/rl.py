@@ -48,7 +48,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from gateway.backends.local.adapters import read_rendering, write_rendering
 from gateway.config import RLSettings
+from gateway.prompting import Rendering
 from training.metrics import rank
 from training.plots import plot_rl
 from training.sft import SFTConfig, append_jsonl, seed_everything, wrap_lora
@@ -353,6 +355,8 @@ def train_rl(loaded: LoadedModel, config: RLConfig, out_dir: Path, *, steps: int
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = _policy(loaded, config, init_adapter).to(device)
     model.train()
+    # Rollouts serve each checkpoint with the rendering its folder records: the one the policy started from.
+    rendering = (read_rendering(init_adapter) if init_adapter else None) or config.lora.rendering
     params = [p for p in model.parameters() if p.requires_grad]
 
     def new_optimizer() -> torch.optim.Optimizer:
@@ -365,14 +369,14 @@ def train_rl(loaded: LoadedModel, config: RLConfig, out_dir: Path, *, steps: int
              init_adapter=str(init_adapter) if init_adapter else None)
 
     watch = _Watch(config)
-    first = _save(model, out_dir / "checkpoint-0")
+    first = _save(model, out_dir / "checkpoint-0", rendering)
     result = RLResult(best=first, best_step=0, checkpoints=[first], history=[], validations=[], model=model)
     watch.judge(0, first, validate(first), result)
     append_jsonl(metrics_path, {"step": 0, "validation": result.validations[-1]})
 
     bar = tqdm(total=steps, desc="rl", unit="step", disable=not sys.stderr.isatty())
     for step in range(1, steps + 1):
-        policy = _save(model, out_dir / "policy")
+        policy = _save(model, out_dir / "policy", rendering)
         groups = batches(step, policy)
         samples, skipped = _fitting([s for g in groups for s in g.samples()], config.max_seq_len)
         result.skipped_samples += skipped
@@ -392,7 +396,7 @@ def train_rl(loaded: LoadedModel, config: RLConfig, out_dir: Path, *, steps: int
             line.update(stats)
         watch.rewards.append(line["reward"])
         if step % config.rl.eval_every == 0 or step == steps:
-            checkpoint = _save(model, out_dir / f"checkpoint-{step}")
+            checkpoint = _save(model, out_dir / f"checkpoint-{step}", rendering)
             result.checkpoints.append(checkpoint)
             action = watch.judge(step, checkpoint, validate(checkpoint), result)
             line["validation"] = result.validations[-1]
@@ -483,8 +487,9 @@ def _fitting(samples: list[Sample], max_seq_len: int) -> tuple[list[Sample], int
     return kept, len(samples) - len(kept)
 
 
-def _save(model: PeftModel, folder: Path) -> Path:
+def _save(model: PeftModel, folder: Path, rendering: Rendering) -> Path:
     model.save_pretrained(str(folder), save_embedding_layers=False)
+    write_rendering(folder, rendering)
     return folder
 
 

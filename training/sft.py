@@ -38,7 +38,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from gateway.backends.local.adapters import write_rendering
 from gateway.backends.local_model import LoadedModel, load_model
+from gateway.prompting import DEFAULT_RENDERING, Rendering
 from training.data import IGNORE, Batch, Example, label_logits, pad_batch
 from training.plots import plot_loss
 
@@ -75,6 +77,7 @@ class SFTConfig:
     weight_decay: float = 0.0
     log_every: int = 10  # optimizer steps between metrics.jsonl lines
     bucket_batches: int = 16  # micro-batches per length-sorted pool: more, less padding; fewer, more randomness
+    rendering: Rendering = DEFAULT_RENDERING  # how the rows' tool specs were written: recorded in each checkpoint
 
     @classmethod
     def from_settings(cls, training: TrainingSettings, **overrides: Any) -> SFTConfig:
@@ -82,7 +85,7 @@ class SFTConfig:
                       dropout=training.dropout, target_modules=list(training.target_modules),
                       learning_rate=training.learning_rate, epochs=training.epochs, batch_size=training.batch_size,
                       grad_accum=training.grad_accum, max_seq_len=training.max_seq_len,
-                      checkpoints=training.checkpoints, seed=training.seed)
+                      checkpoints=training.checkpoints, seed=training.seed, rendering=training.tool_rendering)
         return cls(**{**fields, **overrides})
 
 
@@ -240,7 +243,7 @@ def train_sft(base_model_path: str | None, examples: list[Example], config: SFTC
                     "lr": lr, "tokens_per_second": window_tokens / window_seconds if window_seconds else 0.0}
             window_tokens, window_seconds, window_losses = 0, 0.0, []
             if step in saves:
-                line.update(_checkpoint(model, out_dir, step, validate, result))
+                line.update(_checkpoint(model, out_dir, step, validate, result, config.rendering))
             append_jsonl(metrics_path, line)
             result.metrics.append(line)
             log.info("sft.progress", **{k: v for k, v in line.items() if not isinstance(v, dict)})
@@ -257,14 +260,16 @@ def train_sft(base_model_path: str | None, examples: list[Example], config: SFTC
 
 
 def _checkpoint(model: PeftModel, out_dir: Path, step: int, validate: Validate | None,
-                result: SFTResult) -> dict[str, Any]:
-    """Save the adapter as ``checkpoint-<step>/`` and validate it; what to record about it."""
+                result: SFTResult, rendering: Rendering) -> dict[str, Any]:
+    """Save the adapter as ``checkpoint-<step>/`` (with the tool rendering its rows were written in) and validate
+    it; what to record about it."""
     folder = out_dir / f"checkpoint-{step}"
     # peft's "auto" looks the base name up on the Hub to see whether the vocabulary changed; it never does here
     # unless the embeddings themselves are adapted (then "auto" saves them without a look-up).
     targets = model.peft_config["default"].target_modules or ()
     embeddings = any(name in ("embed_tokens", "lm_head") for name in targets)
     model.save_pretrained(str(folder), save_embedding_layers="auto" if embeddings else False)
+    write_rendering(folder, rendering)
     result.checkpoints.append(folder)
     record: dict[str, Any] = {"checkpoint": str(folder)}
     if validate is not None:

@@ -9,7 +9,7 @@ skip_without("local")
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from gateway.prompting import encode_prompt, render_prompt, template_supports_tools
+from gateway.prompting import encode_prompt, render_prompt, template_supports_tools, tool_signature, tools_prompt
 
 # SmolLM2-Instruct's template, verbatim: it has no notion of tools.
 SMOL_TEMPLATE = (
@@ -61,7 +61,7 @@ def test_tools_go_into_a_new_system_prompt_when_the_template_ignores_them(smol) 
     text = render_prompt(smol, [{"role": "user", "content": "hi"}], TOOLS)
     system = text.split("<|im_end|>")[0]
     assert system.startswith("<|im_start|>system\n# Tools")
-    assert "<tools>\n" + json.dumps(TOOLS[0]) + "\n</tools>" in system
+    assert "<tools>\n" + json.dumps(TOOLS[0], sort_keys=True) + "\n</tools>" in system
     assert "<tool_call>" in system and "SmolLM" not in text
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
@@ -120,3 +120,44 @@ def test_encode_prompt_adds_no_special_tokens_of_its_own(smol) -> None:
     ids = encode_prompt(smol, messages)
     assert ids == smol(render_prompt(smol, messages), add_special_tokens=False)["input_ids"]
     assert ids[0] == smol.convert_tokens_to_ids("<|im_start|>") and ids[1] != ids[0]
+
+
+def _reordered(value):  # noqa: ANN001, ANN202 - every object's keys in reverse order, lists as they are
+    if isinstance(value, dict):
+        return {k: _reordered(value[k]) for k in reversed(list(value))}
+    if isinstance(value, list):
+        return [_reordered(v) for v in value]
+    return value
+
+
+NESTED = {"type": "function", "function": {
+    "name": "book_trip", "description": "Book a trip for a traveller. Charges the card on file. e.g. never twice.",
+    "parameters": {"type": "object", "required": ["city", "dates"], "properties": {
+        "city": {"type": "string", "description": "where to"},
+        "dates": {"type": "object", "required": ["start"], "properties": {
+            "start": {"type": "string"}, "nights": {"type": "integer"}}},
+        "class": {"type": "string", "enum": ["economy", "business"]},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "budget": {"type": ["number", "null"]},
+        "seats": {"type": "array", "items": {"anyOf": [{"type": "integer"}, {"const": "any"}]}}}}}}
+
+
+@pytest.mark.parametrize("rendering", ["hermes", "compact"])
+def test_a_tool_spec_renders_the_same_whatever_the_order_of_its_keys(smol, rendering: str) -> None:
+    # The store keeps JSON with sorted keys; a spec read back must render as it was served.
+    messages = [{"role": "user", "content": "hi"}]
+    served = render_prompt(smol, messages, [NESTED, *TOOLS], rendering=rendering)
+    assert served == render_prompt(smol, messages, _reordered([NESTED, *TOOLS]), rendering=rendering)
+    assert served == render_prompt(smol, messages, json.loads(json.dumps([NESTED, *TOOLS], sort_keys=True)),
+                                   rendering=rendering)
+
+
+def test_the_compact_rendering_writes_a_signature_per_tool() -> None:
+    assert tool_signature(TOOLS[0]["function"]) == "get_weather(city: string): Current weather for a city"
+    assert tool_signature(NESTED["function"]) == (
+        'book_trip(city: string, dates: {start: string, nights?: integer}, budget?: number|null, '
+        'class?: "economy"|"business", seats?: (integer|"any")[], tags?: string[]): Book a trip for a traveller.')
+    assert tool_signature({"name": "ping"}) == "ping()"
+    block = tools_prompt([NESTED, *TOOLS], "compact")
+    assert block.startswith("# Tools\n") and "<tool_call>" in block
+    assert block.count("\n" + "book_trip(") == 1 and block.count("\n" + "get_weather(") == 1

@@ -25,6 +25,8 @@ from gateway.backends.local import LocalBackend
 from gateway.config import BackendSettings, Settings
 from gateway.prompting import encode_prompt, hermes_tool_call_text
 from replay.filters import Filters
+from replay.importer import Conversation, build_op, import_conversations, read_file
+from replay.vocabulary import DEMO
 from tests.gateway.backends.conftest import script as _script
 from tests.replay import builders
 from training import data, general_data
@@ -292,7 +294,7 @@ async def test_store_round_trip_trains_on_the_exact_ids_served(
     await app.state.gateway.store.close()  # everything committed before reading the file
 
     # The store keeps JSON with sorted keys, so the tool specs read back differ in key order from those sent
-    # (TOOLS lists name, description, parameters): the captured ids must still be recognised as served.
+    # (TOOLS lists name, description, parameters): they render the same, so the captured ids are recognised.
     examples, stats = examples_from_store(tmp_path / "harness.db", Filters(), smol_tokenizer, max_seq_len=4096)
     assert stats.trajectories == 1 and stats.captured == 2 and stats.rendered == 0 and stats.mismatched == 0
     assert len(examples) == len(results) == 2
@@ -303,6 +305,49 @@ async def test_store_round_trip_trains_on_the_exact_ids_served(
         assert example.input_ids[len(prompt):] == completion
         assert example.labels == [IGNORE] * len(prompt) + completion
     assert trained_text(smol_tokenizer, examples[0]) == TOOL_CALL_TEXT
+    assert trained_text(smol_tokenizer, examples[1]) == FINAL_TEXT
+    # Training in another rendering than the one served: the captured ids are not that prompt, so re-rendered.
+    compact, stats = examples_from_store(tmp_path / "harness.db", Filters(), smol_tokenizer, max_seq_len=4096,
+                                         rendering="compact")
+    assert stats.captured == 0 and stats.rendered == stats.mismatched == 2
+    assert masked_ids(compact[0]) == encode_prompt(smol_tokenizer, HISTORY, TOOLS, rendering="compact")
+
+
+# Keys in the order a client sends them (name, description, parameters), which the store does not keep.
+DEMO_MESSAGES = [SYSTEM, user("Weather in Rome?"), {"role": "assistant", "content": None,
+                                                     "tool_calls": [call("c1", "Rome")]},
+                 tool("c1", "Cloudy, 18 C"), answer("Rome is cloudy, 18 C.")]
+
+
+@pytest.mark.parametrize("rendering", ["hermes", "compact"])
+async def test_demonstrations_and_imports_train_on_the_prompt_the_engine_generates_from(
+        tmp_path: Path, tiny_model_dir: Path, smol_tokenizer: PreTrainedTokenizerBase, rendering: str) -> None:
+    path = tmp_path / "store.db"
+    store = await builders.open_store(path)
+    try:
+        # A demonstration as `harness capture` writes one; an import as `harness replay import` reads a file.
+        await store.write(build_op([Conversation(line=1, messages=DEMO_MESSAGES, tools=TOOLS)], source=DEMO))
+        file = tmp_path / "import.jsonl"
+        file.write_text(json.dumps({"messages": DEMO_MESSAGES, "tools": TOOLS}) + "\n")
+        await import_conversations(store, read_file(file), source="import")
+    finally:
+        await store.close()
+    examples, stats = examples_from_store(path, Filters(), smol_tokenizer, max_seq_len=4096, rendering=rendering)
+    assert stats.trajectories == 2 and stats.rendered == len(examples) == 4
+
+    backend = LocalBackend(BackendSettings(name="local", kind="local", model_path=str(tiny_model_dir),
+                                           tool_rendering=rendering))
+    await backend.start()
+    try:
+        turns = [i for i, m in enumerate(DEMO_MESSAGES) if m["role"] == "assistant"]
+        served = [(await backend._prepare(ChatRequest(body={"messages": DEMO_MESSAGES[:i], "tools": TOOLS},
+                                                      model="tiny"))).prompt_ids for i in turns]
+    finally:
+        await backend.aclose()
+    assert served[0] != encode_prompt(smol_tokenizer, DEMO_MESSAGES[:turns[0]], TOOLS,
+                                      rendering="compact" if rendering == "hermes" else "hermes")
+    for example, prompt in zip(examples, served * 2, strict=True):
+        assert masked_ids(example) == prompt  # the prompt, token for token, is what the engine generates from
     assert trained_text(smol_tokenizer, examples[1]) == FINAL_TEXT
 
 

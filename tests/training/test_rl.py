@@ -15,6 +15,7 @@ skip_without("train")
 
 import torch
 
+from gateway.backends.local.adapters import read_rendering
 from gateway.backends.local_model import LoadedModel, load_model
 from gateway.config import RLSettings
 from training.rl import (
@@ -271,6 +272,7 @@ def test_rollback_restores_the_best_checkpoint_when_validation_falls(loaded: Loa
     assert result.rollbacks == 1 and result.stopped is None
     assert result.best_step == 2 and result.best == tmp_path / "rl" / "checkpoint-2"
     assert [f.name for f in seen] == ["checkpoint-0", "checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert all(read_rendering(folder) == "hermes" for folder in seen)  # a fresh policy: the configured rendering
     # After the rollback at step 4 the weights were checkpoint 2's: step 5 started from them, so checkpoint 4
     # (saved before the rollback) differs from what training continued with.
     from peft import load_peft_weights

@@ -18,6 +18,7 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 
 from gateway.backends.base import ChatRequest
 from gateway.backends.local import LocalBackend
+from gateway.backends.local.adapters import read_rendering
 from gateway.config import BackendSettings, TrainingSettings
 from training.data import IGNORE, Example, pad_batch, perplexity
 from training.general_data import general_examples
@@ -102,7 +103,8 @@ def test_sft_lowers_the_loss_and_writes_checkpoints_metrics_and_plot(
     def validate(checkpoint: Path) -> dict[str, Any]:
         return {"score": len(checkpoint.name)}
 
-    result = train_sft(str(tiny_model_dir), examples, tiny_config(), tmp_path / "run", validate=validate,
+    result = train_sft(str(tiny_model_dir), examples, tiny_config(rendering="compact"), tmp_path / "run",
+                       validate=validate,
                        on_checkpoint=lambda path, metrics: seen.append((path, metrics)))
     steps = len(result.losses)
     assert steps == 9  # 3 batches of 4 for 3 epochs
@@ -119,6 +121,7 @@ def test_sft_lowers_the_loss_and_writes_checkpoints_metrics_and_plot(
         config = json.loads((folder / "adapter_config.json").read_text())
         assert config["peft_type"] == "LORA" and config["r"] == 4 and config["base_model_name_or_path"] == "tiny"
         assert all(".lora_A." in k or ".lora_B." in k for k in load_file(folder / "adapter_model.safetensors"))
+        assert read_rendering(folder) == "compact"  # served as its rows were written
 
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert lines == result.metrics

@@ -10,12 +10,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
+
+from gateway.prompting import Rendering
 
 if TYPE_CHECKING:  # peft is imported on the first load: it takes over a second, and most gateways never load one
     from peft import LoraConfig, PeftModel
 
 _BASE = "__base__"  # peft's name, in ``adapter_names``, for a row that runs without an adapter
+RENDERING_FILE = "rendering.json"  # in an adapter folder: the tool rendering it was trained with
 
 
 @dataclass(frozen=True)
@@ -25,10 +28,31 @@ class Adapter:
     # reloaded while its previous weights still serve a request must not collide with them.
     internal: str
     path: str
+    rendering: Rendering | None = None  # the tool rendering it was trained with; None: the backend's own
 
 
 class AdapterLoadError(Exception):
     """An adapter folder that cannot be served; the message says why."""
+
+
+def write_rendering(folder: Path, rendering: Rendering) -> None:
+    """Record in an adapter folder the tool rendering its training data was written in, so it is served the same."""
+    (folder / RENDERING_FILE).write_text(json.dumps({"rendering": rendering}) + "\n", encoding="utf-8")
+
+
+def read_rendering(path: str | Path) -> Rendering | None:
+    """The tool rendering the adapter folder ``path`` records; None when it records none (an adapter trained
+    elsewhere). A record that names no known rendering cannot be served as trained, so it is refused."""
+    file = Path(path) / RENDERING_FILE
+    if not file.is_file():
+        return None
+    try:
+        rendering = json.loads(file.read_text(encoding="utf-8")).get("rendering")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise AdapterLoadError(f"cannot read {RENDERING_FILE}: {exc}") from exc
+    if rendering not in get_args(Rendering):
+        raise AdapterLoadError(f"{RENDERING_FILE} names an unknown tool rendering: {rendering!r}")
+    return rendering
 
 
 def lora_config(path: str) -> LoraConfig:

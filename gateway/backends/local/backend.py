@@ -32,7 +32,7 @@ from gateway.backends.base import (
     ChatRequest,
     ChatResult,
 )
-from gateway.backends.local.adapters import Adapter, lora_config
+from gateway.backends.local.adapters import Adapter, lora_config, read_rendering
 from gateway.backends.local.engine import Engine
 from gateway.backends.local.grammar import answer_schema, output_grammar
 from gateway.backends.local.jobs import Event, Job, Token
@@ -176,8 +176,8 @@ class LocalBackend:
         try:
             # Off the engine thread, which would otherwise stall every request: peft's first import takes over a
             # second, and checking the folder needs no model.
-            config = await asyncio.to_thread(lora_config, path)
-            adapter = Adapter(name, f"adapter_{next(self._serial):06d}", path)
+            config, rendering = await asyncio.to_thread(lambda: (lora_config(path), read_rendering(path)))
+            adapter = Adapter(name, f"adapter_{next(self._serial):06d}", path, rendering)
             started = time.perf_counter()
             await self._on_engine(engine, lambda: engine.load_adapter(adapter.internal, path, config))
             if self._engine is engine:
@@ -242,7 +242,8 @@ class LocalBackend:
         return adapter
 
     async def _prepare(self, request: ChatRequest) -> Prepared:
-        self._adapter(request.adapter)  # fail fast; _submit resolves it again after the awaits below
+        adapter = self._adapter(request.adapter)  # fail fast; _submit resolves it again after the awaits below
+        rendering = (adapter.rendering if adapter is not None else None) or self._settings.tool_rendering
         engine = self._running_engine()
         body = request.body
         check_parameters(body)
@@ -259,7 +260,7 @@ class LocalBackend:
             if params.logprobs or grammar is not None:
                 engine.grammar_tokenizer  # noqa: B018 - built here, off the event loop and the engine thread
             try:
-                return encode_prompt(self.loaded.tokenizer, messages, tools), grammar
+                return encode_prompt(self.loaded.tokenizer, messages, tools, rendering=rendering), grammar
             except Exception as exc:  # a template raising means the caller's messages are malformed
                 raise invalid_request(f"cannot render the messages: {exc}", "messages") from exc
 

@@ -291,3 +291,34 @@ def test_the_fixture_adapters_are_real_loras(lora_adapters: dict[str, Path]) -> 
     for folder in lora_adapters.values():
         weights = load_file(folder / "adapter_model.safetensors")
         assert weights and all(t.abs().sum() > 0 for t in weights.values())
+
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look a word up.", "parameters": {
+    "type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}}]
+
+
+async def test_an_adapter_is_served_the_tool_rendering_it_was_trained_with(
+        backend: LocalBackend, lora_adapters: dict[str, Path], tmp_path: Path, smol_tokenizer) -> None:  # noqa: ANN001
+    import shutil
+
+    from gateway.backends.local.adapters import write_rendering
+    from gateway.prompting import encode_prompt
+
+    compact = tmp_path / "compact"
+    shutil.copytree(lora_adapters["a"], compact)
+    write_rendering(compact, "compact")
+    await backend.load_adapter(A, str(compact))
+    await backend.load_adapter(B, str(lora_adapters["b"]))  # records nothing: the backend's own rendering
+    body = {**_body("define cat"), "tools": TOOLS}
+    messages = body["messages"]
+    prompts = {name: (await backend._prepare(_req(body, name))).prompt_ids for name in (A, B, None)}
+    assert prompts[A] == encode_prompt(smol_tokenizer, messages, TOOLS, rendering="compact")
+    assert prompts[B] == prompts[None] == encode_prompt(smol_tokenizer, messages, TOOLS, rendering="hermes")
+    assert len(prompts[A]) < len(prompts[None])
+
+    bogus = tmp_path / "bogus"
+    shutil.copytree(lora_adapters["a"], bogus)
+    (bogus / "rendering.json").write_text(json.dumps({"rendering": "yaml"}))
+    with pytest.raises(BackendError) as raised:
+        await backend.load_adapter("bogus@1", str(bogus))
+    assert raised.value.status_code == 400 and "unknown tool rendering" in str(raised.value)
