@@ -161,3 +161,18 @@ def test_the_compact_rendering_writes_a_signature_per_tool() -> None:
     block = tools_prompt([NESTED, *TOOLS], "compact")
     assert block.startswith("# Tools\n") and "<tool_call>" in block
     assert block.count("\n" + "book_trip(") == 1 and block.count("\n" + "get_weather(") == 1
+
+
+def test_the_compact_rendering_takes_at_most_30_tokens_per_suite_tool(smol_tokenizer, tmp_path) -> None:  # noqa: ANN001
+    from training.tasks import get_suite
+
+    tools = get_suite("tools", data_dir=tmp_path).registry().openai_tools()
+    assert len(tools) >= 3
+
+    def per_tool(rendering: str) -> float:
+        def count(block: str) -> int:
+            return len(smol_tokenizer(block, add_special_tokens=False)["input_ids"])
+        return (count(tools_prompt(tools, rendering)) - count(tools_prompt([], rendering))) / len(tools)
+
+    compact, hermes = per_tool("compact"), per_tool("hermes")
+    assert compact <= 30 and hermes >= 4 * compact

@@ -16,15 +16,18 @@ skip_without("train")
 
 import torch
 
-from gateway.backends.local_model import load_model
+from gateway.backends.local.adapters import write_rendering
+from gateway.backends.local_model import load_model, load_tokenizer
 from gateway.config import RewardSettings, Settings
 from replay import feedback
+from replay.filters import Filters
 from replay.records import WriteOp
 from replay.rewards import signal_weights
 from replay.store import TrajectoryStore
 from tests.models import random_lora
 from tests.replay import builders
 from tests.replay.builders import SYSTEM, TOOLS, answer, assistant_calls, tool_call, tool_result, tool_row
+from training.data import examples_from_store
 from training.evaluate import Evaluator
 from training.metrics import Episode
 from training.rl import collate, token_logprobs
@@ -115,6 +118,7 @@ def test_rollouts_are_recorded_grouped_scored_and_carry_the_policys_own_logprobs
                      "rl": {"tasks_per_step": 3, "group_size": 3, "temperature": 1.0, "fault_rate": 1.0}},
     })
     policy = random_lora(tiny_model_dir, tmp_path / "policy", seed=5)
+    write_rendering(policy, "compact")  # the policy was trained on compact tool specs: its rollouts are served so
 
     async def run() -> list:
         store = TrajectoryStore(settings.store.path)
@@ -153,6 +157,14 @@ def test_rollouts_are_recorded_grouped_scored_and_carry_the_policys_own_logprobs
         now = token_logprobs(model, batch)
     gap = ((now - batch.old_logprobs).abs() * batch.mask).max()
     assert float(gap) < 1e-3
+
+    # Trained on again (SFT, expert iteration) in the policy's rendering, every call keeps the ids it was served.
+    examples, stats = examples_from_store(settings.store.path, Filters(), load_tokenizer(str(tiny_model_dir)),
+                                          max_seq_len=4096, rendering="compact")
+    assert stats.calls == stats.captured == len(examples) > 0 and stats.mismatched == 0
+    _, stats = examples_from_store(settings.store.path, Filters(), load_tokenizer(str(tiny_model_dir)),
+                                   max_seq_len=4096, rendering="hermes")
+    assert stats.captured == 0 and stats.mismatched == stats.calls
 
 
 @pytest.mark.integration
