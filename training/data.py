@@ -5,10 +5,12 @@ The algorithm, top to bottom:
 1. A row is one successful model call of a selected trajectory: the prompt the model saw and the
    completion it wrote (``examples_from_store``, through ``replay.export.iter_rows`` with one call per row).
 2. The prompt is exactly what the local backend generates from, ``gateway.prompting.encode_prompt`` of the
-   call's messages and tools (with the generation prompt). When the store holds the ids the model actually
-   saw and they are what this tokenizer makes of the messages (a fresh encoding, up to the JSON key order the
-   store does not keep), those ids are used with the completion ids the model actually wrote; otherwise
-   (another tokenizer, a redacted row, no capture) both are re-rendered from the text.
+   call's messages and tools (with the generation prompt) in the run's tool rendering (``[training]
+   tool_rendering``, recorded in the adapter so it is served the same). When the store holds the ids the model
+   actually saw and they are what this tokenizer makes of the messages in that rendering (a fresh encoding:
+   tool specs render the same whatever the order of their keys, which the store does not keep), those ids are
+   used with the completion ids the model actually wrote; otherwise (another tokenizer or rendering, a redacted
+   row, no capture) both are re-rendered from the text.
 3. Labels are -100 on every prompt token (system, user, tool results, earlier assistant turns), so the loss
    is on the completion only; the completion ends with the end-of-turn token so the model learns to stop.
 4. A row longer than ``max_seq_len`` loses tokens from the left of its prompt; the completion is never cut,
