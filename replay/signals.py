@@ -202,21 +202,32 @@ def used_in(ev: Evidence, targets: Iterable[Target]) -> bool:
 def usage(view: TrajectoryView) -> dict[int, bool]:
     """For each successful tool call (by its index in ``view.tool_calls``): whether its result got used —
     a number, or a string of at least 8 characters, from it appears in the arguments of a call made at a
-    later step or in the final answer."""
+    later step or in the final answer. A call that repeats an earlier successful one (same tool, same
+    arguments) learnt nothing new: it counts as unused, so repeating a good call is padding, not credit."""
     final = Target.of(view.final_answer) if view.final_answer else None
     by_step: dict[int, list[Target]] = {}
     for call in view.tool_calls:
         by_step.setdefault(call.step, []).append(Target.of(call.arguments or ""))
     out: dict[int, bool] = {}
+    done: set[tuple[str, str]] = set()
     for i, call in enumerate(view.tool_calls):
         if not call.succeeded:
             continue
+        key = (call.name, _canonical(call.arguments))
         ev = evidence(call.result or "")
         later = [t for step, targets in by_step.items() if step > call.step for t in targets]
         if final is not None:
             later.append(final)
-        out[i] = not ev.empty and used_in(ev, later)
+        out[i] = key not in done and not ev.empty and used_in(ev, later)
+        done.add(key)
     return out
+
+
+def _canonical(arguments: str | None) -> str:
+    try:
+        return orjson.dumps(orjson.loads(arguments or "null"), option=orjson.OPT_SORT_KEYS).decode()
+    except orjson.JSONDecodeError:
+        return arguments or ""
 
 
 def _validity(calls: list[ToolCall], used: dict[int, bool], indexes: list[int]) -> float:
@@ -272,13 +283,14 @@ class TaskSuccess:
 class ProcessValidity:
     """Share of valid tool calls × share of successful results used later; padding earns nothing.
 
-    No tool calls at all: 1.0 (nothing invalid, nothing wasted; whether the answer was right is
-    task_success's business). Calls made but none succeeded: 0.0 (no result was there to use).
+    No tool calls at all: 0.0 (nothing was done to credit: an answer given without acting must not outscore
+    one that acted, whether or not acting was needed; a right refusal earns task_success). Calls made but
+    none succeeded: 0.0 (no result was there to use).
     """
 
     def __call__(self, view: TrajectoryView) -> float | None:
         if not view.tool_calls:
-            return 1.0
+            return 0.0
         return _validity(view.tool_calls, usage(view), list(range(len(view.tool_calls))))
 
     def per_step(self, view: TrajectoryView) -> dict[int, float]:
@@ -312,13 +324,16 @@ class IllegalActionPenalty:
 
 @register_signal("efficiency")
 class Efficiency:
-    """1 - (steps - 1) / step_limit, clipped to [0, 1]: one step is 1.0; unknown without any step."""
+    """1 - (actions - 1) / step_limit, clipped to [0, 1], where actions is the number of steps or, when more,
+    the tool calls plus the answer (if any): one step is 1.0, and calls made side by side in one step cost as much as
+    calls made one after another (padding a step with extra calls is not free). Unknown without any step."""
 
     def __call__(self, view: TrajectoryView) -> float | None:
         if view.steps <= 0:
             return None
         limit = view.step_limit if view.step_limit > 0 else DEFAULT_STEP_LIMIT
-        return min(1.0, max(0.0, 1.0 - (view.steps - 1) / limit))
+        actions = max(view.steps, len(view.tool_calls) + (view.final_answer is not None))
+        return min(1.0, max(0.0, 1.0 - (actions - 1) / limit))
 
 
 BUILTIN_SIGNALS = ("task_success", "process_validity", "illegal_action_penalty", "efficiency")

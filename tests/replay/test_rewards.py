@@ -234,8 +234,16 @@ async def test_padding_never_out_scores_the_honest_run(store: TrajectoryStore, p
     assert p.signals["process_validity"] == pytest.approx(1 / 3)  # three valid calls, one result used
     assert h.signals["process_validity"] == 1.0
     assert p.total < h.total
-    if padding == "extra steps":
-        assert p.signals["efficiency"] < h.signals["efficiency"]
+    assert p.signals["efficiency"] < h.signals["efficiency"]  # side by side in one step or one after another
+
+
+async def test_repeating_a_good_call_is_padding(store: TrajectoryStore) -> None:
+    honest = await agent(store, [weather("Paris"), "It is 21 °C in Paris."])
+    repeated = await agent(store, [calls(("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Paris"})),
+                                   "It is 21 °C in Paris."])
+    h, r = await scored(store, honest), await scored(store, repeated)
+    assert h.signals["process_validity"] == 1.0
+    assert r.signals["process_validity"] == pytest.approx(1 / 2)  # the repeat learnt nothing
 
 
 async def test_result_used_in_a_later_calls_arguments(store: TrajectoryStore) -> None:
@@ -257,9 +265,9 @@ async def test_proxy_results_come_from_the_clients_tool_messages(store: Trajecto
     assert (await scored(store, ignored.id)).signals["process_validity"] == 0.0
 
 
-async def test_no_tool_calls_is_full_validity_and_failed_calls_none(store: TrajectoryStore) -> None:
+async def test_no_tool_calls_earns_no_validity_and_neither_do_failed_calls(store: TrajectoryStore) -> None:
     chat = await agent(store, ["Bonjour."])
-    assert (await scored(store, chat)).signals["process_validity"] == 1.0
+    assert (await scored(store, chat)).signals["process_validity"] == 0.0  # not acting is not credited
     failed = await agent(store, [call("broken", {}), "It broke."])
     assert (await scored(store, failed)).signals["process_validity"] == 0.0
 

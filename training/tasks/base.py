@@ -18,7 +18,7 @@ import json
 import math
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -45,6 +45,8 @@ REFUSAL_PHRASES = ("cannot", "can't", "can not", "unable", "not able", "no infor
 
 REL_TOLERANCE = 1e-6
 ABS_TOLERANCE = 0.01
+# More distinct values than this that the prompt does not hold make a reply a list of guesses, not an answer.
+MAX_STATED = 3
 
 # Numbers as a model writes them: -12, 3.5, 5,200 (thousands separators), not the 2 of "x2".
 _NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
@@ -140,14 +142,18 @@ def is_refusal(text: str) -> bool:
     return any(p in low for p in REFUSAL_PHRASES)
 
 
-def check_final(expected: Any, final: str | None, prompt: str = "") -> bool:
-    """The verifier's rule (see the module docstring of the suite and README.md).
+def check_final(expected: Any, final: str | None, prompt: str = "", alternatives: Iterable[str] = ()) -> bool:
+    """The verifier's rule (see the module docstring of the suite and README.md): the value asked for, stated as
+    the answer, not somewhere in a list.
 
     - no answer or a blank one fails;
     - ``expected is None`` (cannot be answered): the answer must refuse and must not state a number
       that is not in the prompt (that would be an invented answer);
-    - otherwise a refusal fails; a number must appear in the answer (relative tolerance 1e-6 or
-      absolute 0.01); a string must appear in it, case-insensitively.
+    - otherwise a refusal fails;
+    - a number: the answer's last number must be it (relative tolerance 1e-6 or absolute 0.01), and the answer
+      may state at most ``MAX_STATED`` distinct values the prompt does not hold (its working, not a list);
+    - a string: it must appear in the answer (case-insensitively, as a whole word) and none of ``alternatives``
+      (the other values it could have been, e.g. the other cities) may.
     """
     if final is None or not final.strip():
         return False
@@ -161,10 +167,20 @@ def check_final(expected: Any, final: str | None, prompt: str = "") -> bool:
     if isinstance(expected, bool):
         raise TypeError("a task's expected value may not be a bool")
     if isinstance(expected, int | float):
-        return any(close(n, float(expected)) for n in numbers_in(final))
+        numbers, given = numbers_in(final), numbers_in(prompt)
+        stated: list[float] = []
+        for n in numbers:
+            if not any(close(n, g) for g in given) and not any(close(n, s) for s in stated):
+                stated.append(n)
+        return bool(numbers) and len(stated) <= MAX_STATED and close(numbers[-1], float(expected))
     if isinstance(expected, str):
-        return expected.lower() in final.lower()
+        return _says(final, expected) and not any(_says(final, other) for other in alternatives
+                                                  if other.lower() != expected.lower())
     raise TypeError(f"cannot verify an expected value of type {type(expected).__name__}")
+
+
+def _says(text: str, value: str) -> bool:
+    return re.search(rf"(?<!\w){re.escape(value)}(?!\w)", text, re.IGNORECASE) is not None
 
 
 def format_number(value: float | int) -> str:
@@ -248,7 +264,11 @@ class Suite(ABC):
 
     def verify(self, task: Task, final: str | None, messages: list[dict[str, Any]]) -> bool:
         """Whether the episode succeeded, judged on its final answer (see ``check_final``)."""
-        return check_final(task.expected, final, task.prompt)
+        return check_final(task.expected, final, task.prompt, self.alternatives(task))
+
+    def alternatives(self, task: Task) -> tuple[str, ...]:
+        """The other values a task's string answer could have been (naming one of them as well fails)."""
+        return ()
 
     def test_only_phrasings(self) -> tuple[str, ...]:
         """Text fragments that only test prompts contain (one per test-only phrasing)."""

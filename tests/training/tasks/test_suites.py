@@ -29,7 +29,7 @@ from training.tasks.tools_suite import (
     ToolsSuite,
 )
 
-DOCUMENTED_SIZES = {"train": 240, "validation": 30, "test": 40}
+DOCUMENTED_SIZES = {"train": 240, "validation": 31, "test": 41}
 
 
 @pytest.fixture(scope="module")
