@@ -76,7 +76,7 @@ def test_replay_train_selects_trains_validates_gates_and_registers(settings: Set
         assert (run / name).stat().st_size > 0, name
     assert (Path(version.path) / "adapter_config.json").is_file()
     before, after = orjson.loads((run / "eval.json").read_bytes())
-    assert before["split"] == after["split"] == "test" and len(after["episodes"]) == 40
+    assert before["split"] == after["split"] == "test" and len(after["episodes"]) == 41
 
 
 def test_publish_registers_publishes_and_promotes_on_a_running_gateway(settings: Settings, tmp_path: Path,
