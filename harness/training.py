@@ -151,7 +151,11 @@ def replay_train_command(filters: Filters,
                          config: str | None = ConfigOption) -> None:
     """Select, reward, train (SFT, group-relative RL, or both), pick a checkpoint on validation, gate on test,
     register, publish. Exits 0 when the candidate passed the gate, 1 when it was refused (it is still registered,
-    as a candidate)."""
+    as a candidate).
+
+    Production traffic has no verifier: a user's rating is its task success (POST /v1/trajectories/ID/feedback).
+    With the default reward weights, --min-reward 0.7 keeps the runs rated up, never unrated or rated-down ones.
+    For example: harness replay-train --source proxy --min-reward 0.7 (docs/training.md)."""
     require_extra("train", "harness replay-train")
     from training.replay_train import MODES, ReplayTrainError, replay_train
 

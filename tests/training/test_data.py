@@ -26,6 +26,9 @@ from gateway.config import BackendSettings, Settings
 from gateway.prompting import encode_prompt, hermes_tool_call_text
 from replay.filters import Filters
 from replay.importer import Conversation, build_op, import_conversations, read_file
+from replay.rewards import recompute
+from replay.settings import RewardSettings
+from replay.store import TrajectoryStore
 from replay.vocabulary import DEMO
 from tests.gateway.backends.conftest import script as _script
 from tests.replay import builders
@@ -311,6 +314,40 @@ async def test_store_round_trip_trains_on_the_exact_ids_served(
                                          rendering="compact")
     assert stats.captured == 0 and stats.rendered == stats.mismatched == 2
     assert masked_ids(compact[0]) == encode_prompt(smol_tokenizer, HISTORY, TOOLS, rendering="compact")
+
+
+async def test_production_traffic_without_a_verifier_trains_on_what_users_rated_up(
+        gateway_app: tuple[Any, list[ChatResult]], tmp_path: Path, smol_tokenizer: PreTrainedTokenizerBase) -> None:
+    """The documented path (docs/training.md, "Traffic that is not a suite"): a user's thumbs are task success,
+    the reward engine totals them, and --min-reward 0.7 keeps only what was rated up."""
+    app, _ = gateway_app
+    backend = app.state.gateway.backends[0]
+    ids = {}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+        for rating in ("up", "down", None):
+            _script(backend, _ids(smol_tokenizer, FINAL_TEXT))
+            body = {"model": "tiny", "max_tokens": 64,
+                    "messages": [{"role": "system", "content": f"You answer questions ({rating})."},
+                                 user("What is the weather in Rome?")]}
+            response = await client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+            ids[rating] = response.headers["X-Harness-Trajectory-Id"]
+            if rating is not None:
+                rated = await client.post(f"/v1/trajectories/{ids[rating]}/feedback", json={"rating": rating})
+                assert rated.status_code == 201, rated.text
+    await app.state.gateway.store.close()
+
+    store = TrajectoryStore(str(tmp_path / "harness.db"))
+    await store.start()
+    try:
+        summary = await recompute(store, Filters(source="proxy"), RewardSettings())
+    finally:
+        await store.close()
+    assert summary.count == 3 and summary.unknown_success == 1  # the unrated one: success unknown
+    examples, stats = examples_from_store(tmp_path / "harness.db", Filters(source="proxy", min_reward=0.7),
+                                          smol_tokenizer, max_seq_len=4096)
+    assert stats.trajectories == 1 and [e.trajectory_id for e in examples] == [ids["up"]]
+    assert stats.captured == 1 and trained_text(smol_tokenizer, examples[0]) == FINAL_TEXT
 
 
 # Keys in the order a client sends them (name, description, parameters), which the store does not keep.
