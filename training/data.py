@@ -2,8 +2,10 @@
 
 The algorithm, top to bottom:
 
-1. A row is one successful model call of a selected trajectory: the prompt the model saw and the
-   completion it wrote (``examples_from_store``, through ``replay.export.iter_rows`` with one call per row).
+1. A row is a selected trajectory: its last model call's prompt and completion, with every earlier valid
+   assistant turn labelled where it lies in that prompt (``examples_from_store``, through
+   ``replay.export.iter_rows`` with one call per row); a trajectory whose history was rewritten between calls, or
+   too long for ``max_seq_len``, gives a row per successful model call instead.
 2. The prompt is exactly what the local backend generates from, ``gateway.prompting.encode_prompt`` of the
    call's messages and tools (with the generation prompt) in the run's tool rendering (``[training]
    tool_rendering``, recorded in the adapter so it is served the same). When the store holds the ids the model
@@ -11,21 +13,24 @@ The algorithm, top to bottom:
    tool specs render the same whatever the order of their keys, which the store does not keep), those ids are
    used with the completion ids the model actually wrote; otherwise (another tokenizer or rendering, a redacted
    row, no capture) both are re-rendered from the text.
-3. Labels are -100 on every prompt token (system, user, tool results, earlier assistant turns), so the loss
-   is on the completion only; the completion ends with the end-of-turn token so the model learns to stop.
+3. Labels are -100 on every token but the assistant's valid turns (system, user, tool results, and turns with
+   an invalid call, which stay as context so the recovery after them is what is learnt); each labelled turn
+   ends with the end-of-turn token so the model learns to stop.
 4. A row longer than ``max_seq_len`` loses tokens from the left of its prompt; the completion is never cut,
    and a row whose completion alone does not fit is dropped (and counted).
 5. ``mix`` repeats rows from trajectories that recovered after a failed tool call up to a minimum share, and
    adds general chat rows (the base model's own answers to everyday prompts, ``training/general_data.py``)
    against forgetting.
 
-Simplifications: one row per call, not per window (the earlier replies of a trajectory are in the later
-calls' prompts, masked, and each reply is trained on in its own row); a completion the model stopped with a
-user-given stop string keeps that string's tokens (agents do not use them).
+Simplifications: a completion the model stopped with a user-given stop string keeps that string's tokens
+(agents do not use them); earlier turns of a one-row trajectory are labelled as the chat template renders them
+(what the model sees of them at the next step), not as the ids it generated, which may tokenize the same text
+differently.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -39,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from gateway.agent.validation import check_call, function_schemas
 from gateway.prompting import (
     DEFAULT_RENDERING,
     Message,
@@ -215,6 +221,8 @@ class DataStats:
     mismatched: int = 0  # of the rendered: had captured prompt ids this tokenizer would not make (another model)
     too_long: int = 0  # dropped: the completion alone does not fit in max_seq_len
     excluded: int = 0  # dropped by ``exclude``
+    merged: int = 0  # trajectories trained as one row, every valid assistant turn labelled
+    masked: int = 0  # assistant turns with an invalid call: kept as context, never labelled
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -223,12 +231,16 @@ class DataStats:
 def examples_from_store(store_path: str | os.PathLike[str], filters: Filters, tokenizer: PreTrainedTokenizerBase, *,
                         max_seq_len: int, exclude: Callable[[str], bool] | None = None,
                         rendering: Rendering = DEFAULT_RENDERING) -> tuple[list[Example], DataStats]:
-    """One example per successful model call of each trajectory ``filters`` select (the store opened read-only).
+    """The examples of each trajectory ``filters`` select (the store opened read-only): one row for the whole
+    trajectory where it fits ``max_seq_len`` and every call's prompt and reply lie, token for token, at the start
+    of the last call's prompt (``_trajectory_examples``), else one row per successful model call.
 
-    Captured ids are used only where the recorded prompt ids are what this tokenizer makes of the call's messages
-    and tools in ``rendering`` (``_served_prompt``); so a trajectory recorded from another model, or served in
-    another rendering, is re-rendered, never trained on foreign ids. ``exclude(text)`` drops rows
-    whose text (``row_text``) it flags, e.g. rows that hold test-split material.
+    Assistant turns with an invalid call (``invalid_reply``) are never labelled: a row keeps them as context, so
+    the recovery that follows is trained on, not the mistake. Captured ids are used only where the recorded
+    prompt ids are what this tokenizer makes of the call's messages and tools in ``rendering``
+    (``_served_prompt``); so a trajectory recorded from another model, or served in another rendering, is
+    re-rendered, never trained on foreign ids. ``exclude(text)`` drops rows whose text (``row_text``) it flags,
+    e.g. rows that hold test-split material.
     """
     stats = DataStats()
     examples: list[Example] = []
@@ -239,11 +251,7 @@ def examples_from_store(store_path: str | os.PathLike[str], filters: Filters, to
             stats.trajectories += 1
             last = rows[-1]
             recovered = is_recovered(json.loads(last.messages), last.trajectory["status"])
-            for row in rows:
-                stats.calls += 1
-                example = _row_example(row, tokenizer, max_seq_len, recovered, exclude, stats, rendering)
-                if example is not None:
-                    examples.append(example)
+            examples += _trajectory_examples(rows, tokenizer, max_seq_len, recovered, exclude, stats, rendering)
     stats.rows = len(examples)
     stats.recovered = sum(e.recovered for e in examples)
     log.info("training.data.examples", store=str(store_path), **stats.as_dict())
@@ -262,14 +270,84 @@ def _by_trajectory(rows: Iterable[Row]) -> Iterator[list[Row]]:
         yield batch
 
 
-def _row_example(row: Row, tokenizer: PreTrainedTokenizerBase, max_seq_len: int, recovered: bool,
-                 exclude: Callable[[str], bool] | None, stats: DataStats, rendering: Rendering) -> Example | None:
-    messages = json.loads(row.messages)
-    if exclude is not None and exclude(row_text(messages)):
-        stats.excluded += 1
+def invalid_reply(reply: Message, tools: list[dict[str, Any]] | None) -> bool:
+    """Whether an assistant turn holds a call the agent loop would not run as written: an unknown tool, arguments
+    that are no JSON object, break the tool's schema or needed repair, or call markup that did not parse."""
+    if "<tool_call>" in message_text(reply.get("content")):
+        return True
+    schemas = function_schemas(tools)
+    for call in reply.get("tool_calls") or []:
+        function = call.get("function") or {}
+        checked = check_call(call.get("id") or "", function.get("name") or "", function.get("arguments"), schemas)
+        if not checked.valid or checked.repaired:
+            return True
+    return False
+
+
+@dataclass
+class _Call:
+    row: Row
+    request: list[Message]
+    reply: Message
+    tools: list[dict[str, Any]] | None
+    valid: bool
+
+
+def _trajectory_examples(rows: list[Row], tokenizer: PreTrainedTokenizerBase, max_seq_len: int, recovered: bool,
+                         exclude: Callable[[str], bool] | None, stats: DataStats,
+                         rendering: Rendering) -> list[Example]:
+    """One trajectory's examples: one row when it can be (see ``examples_from_store``), else one per valid call."""
+    calls = []
+    for row in rows:
+        stats.calls += 1
+        messages = json.loads(row.messages)
+        if exclude is not None and exclude(row_text(messages)):
+            stats.excluded += 1
+            continue
+        tools = json.loads(row.tools) if row.tools else None
+        calls.append(_Call(row, messages[:-1], messages[-1], tools, not invalid_reply(messages[-1], tools)))
+    stats.masked += sum(not c.valid for c in calls)
+    if len(calls) == len(rows) > 1:
+        merged = _merged(calls, tokenizer, max_seq_len, recovered, stats, rendering)
+        if merged is not None:
+            stats.merged += 1
+            return [merged] if any(label != IGNORE for label in merged.labels) else []
+    out = []
+    for call in calls:
+        if call.valid:
+            example = _row_example(call, tokenizer, max_seq_len, recovered, stats, rendering)
+            if example is not None:
+                out.append(example)
+    return out
+
+
+def _merged(calls: list[_Call], tokenizer: PreTrainedTokenizerBase, max_seq_len: int, recovered: bool,
+            stats: DataStats, rendering: Rendering) -> Example | None:
+    """The last call's row with every earlier valid reply labelled where it lies in that row's prompt; None when
+    the row is longer than ``max_seq_len`` or an earlier call's prompt and reply are not, token for token, the
+    start of it (history summarised or rewritten between calls)."""
+    counted = DataStats()  # how the row was built, added to ``stats`` only if it is the one used
+    last = _row_example(calls[-1], tokenizer, None, recovered, counted, rendering)
+    if last is None or len(last.input_ids) > max_seq_len:
         return None
-    request, reply = messages[:-1], messages[-1]
-    tools = json.loads(row.tools) if row.tools else None
+    labels = list(last.labels) if calls[-1].valid else [IGNORE] * len(last.labels)
+    for call in calls[:-1]:
+        prompt = encode_prompt(tokenizer, call.request, call.tools, rendering=rendering)
+        reply = tokenizer(completion_text(tokenizer, call.request, call.tools, call.reply, rendering),
+                          add_special_tokens=False)["input_ids"]
+        end = len(prompt) + len(reply)
+        if last.input_ids[:end] != prompt + reply:
+            return None
+        if call.valid:
+            labels[len(prompt):end] = reply
+    stats.captured, stats.rendered = stats.captured + counted.captured, stats.rendered + counted.rendered
+    stats.mismatched += counted.mismatched
+    return dataclasses.replace(last, labels=labels)
+
+
+def _row_example(call: _Call, tokenizer: PreTrainedTokenizerBase, max_seq_len: int | None, recovered: bool,
+                 stats: DataStats, rendering: Rendering) -> Example | None:
+    row, request, reply, tools = call.row, call.request, call.reply, call.tools
     captured_prompt = json.loads(row.prompt_token_ids) if row.prompt_token_ids else None
     captured_completion = json.loads(row.completion_token_ids) if row.completion_token_ids else None
     served = captured_prompt is not None and _served_prompt(tokenizer, request, tools, captured_prompt, rendering)

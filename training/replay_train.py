@@ -4,8 +4,9 @@
 
 1. select: the trajectories the replay filters name (without the reward bounds, which apply after step 2);
 2. reward: the reward engine scores them (``[rewards]``), so ``--min-reward`` sees fresh totals;
-3. build (sft): one SFT row per model call of the selected trajectories, rendered exactly as the embedded backend
-   prompts; rows holding test-split material are dropped; recovered trajectories are repeated up to
+3. build (sft): one SFT row per selected trajectory (every valid assistant turn labelled; a row per model call
+   where the history was rewritten or the row is too long), rendered exactly as the embedded backend prompts;
+   invalid calls are context, never labels; rows holding test-split material are dropped; recovered trajectories are repeated up to
    ``min_recovered_share`` and general rows mixed in at ``general_share``;
 4. train (sft): LoRA SFT (``[training]``), ``checkpoints`` evenly spaced checkpoints;
 5. validate (sft): every checkpoint on the suite's validation split; the best (success, then valid calls, then
@@ -194,7 +195,8 @@ async def _sft(settings: Settings, filters: Filters, suite: Suite, general: Gene
                                          training.max_seq_len)
     rows = data.mix(task_rows, general_rows, min_recovered_share=training.min_recovered_share,
                     general_share=training.general_share, seed=training.seed)
-    stage("build", f"{len(rows)} rows: {len(task_rows)} from trajectories ({stats.recovered} recovered, "
+    stage("build", f"{len(rows)} rows: {len(task_rows)} from {stats.trajectories} trajectories ({stats.merged} "
+                   f"as one row, {stats.recovered} recovered, {stats.masked} turns with invalid calls masked, "
                    f"{stats.excluded} dropped for test-split material), general share {training.general_share:.0%}")
 
     result = await asyncio.to_thread(train_sft, training.model_path, rows, SFTConfig.from_settings(training), out)

@@ -184,18 +184,44 @@ async def test_store_rows_count_recovered_rendered_too_long_and_excluded(
                                           exclude=lambda text: "TEST-SPLIT" in text)
     assert stats.trajectories == 4 and stats.calls == 7
     assert stats.excluded == 2 and stats.too_long == 1
-    assert stats.rows == len(examples) == 4
-    assert stats.mismatched == 4 and stats.rendered == 4 and stats.captured == 0
-    assert [(e.trajectory_id, e.seq, e.recovered) for e in examples] == [
-        (recovered, 0, True), (recovered, 1, True), (plain, 0, False), (plain, 1, False)]
-    assert stats.recovered == 2
+    # Each two-call trajectory is one row: the call and the answer both labelled in the answer's row.
+    assert stats.merged == 2 and stats.rows == len(examples) == 2
+    assert stats.mismatched == 2 and stats.rendered == 2 and stats.captured == 0
+    assert [(e.trajectory_id, e.seq, e.recovered) for e in examples] == [(recovered, 1, True), (plain, 1, False)]
+    assert stats.recovered == 1
     assert secret not in {e.trajectory_id for e in examples} and long not in {e.trajectory_id for e in examples}
-    final = examples[1]
-    assert trained_text(smol_tokenizer, final) == "4<|im_end|>"
-    assert "Tool calculator failed: boom" in smol_tokenizer.decode(masked_ids(final))
-    first = examples[0]
-    assert trained_text(smol_tokenizer, first) == \
-        '<tool_call>\n{"name": "calculator", "arguments": {"expr": "2+2"}}\n</tool_call><|im_end|>'
+    row = examples[0]
+    assert trained_text(smol_tokenizer, row) == \
+        '<tool_call>\n{"name": "calculator", "arguments": {"expr": "2+2"}}\n</tool_call><|im_end|>4<|im_end|>'
+    assert "Tool calculator failed: boom" in smol_tokenizer.decode(masked_ids(row))
+
+
+async def test_an_invalid_call_is_context_never_a_label_and_the_recovery_is_trained(
+        tmp_path: Path, smol_tokenizer: PreTrainedTokenizerBase) -> None:
+    bad = {"role": "assistant", "content": None, "tool_calls": [call("c1", "Rome")]}
+    bad["tool_calls"][0]["function"]["arguments"] = json.dumps({"town": "Rome"})  # not the schema's "city"
+    good = {"role": "assistant", "content": None, "tool_calls": [call("c2", "Rome")]}
+    error = tool("c1", "Invalid arguments for get_weather: 'city' is a required property")
+    first = [SYSTEM, user("Weather in Rome?")]
+    second = [*first, bad, error]
+    third = [*second, good, tool("c2", "Cloudy, 18 C")]
+    path = tmp_path / "store.db"
+    store = await builders.open_store(path)
+    try:
+        tid = await builders.write(store, [(first, bad), (second, good), (third, answer("Rome is cloudy, 18 C."))],
+                                   status="completed", tools=TOOLS, token_ids=False)
+        split = await builders.write(store, [(first, bad), ([SYSTEM, user("Start again.")], answer("Fine."))],
+                                     status="completed", tools=TOOLS, token_ids=False)
+    finally:
+        await store.close()
+    examples, stats = examples_from_store(path, Filters(), smol_tokenizer, max_seq_len=4096)
+    assert stats.masked == 2 and stats.merged == 1
+    merged = next(e for e in examples if e.trajectory_id == tid)
+    text = trained_text(smol_tokenizer, merged)
+    assert '"town"' not in text and '"city": "Rome"' in text and text.endswith("Rome is cloudy, 18 C.<|im_end|>")
+    assert '"town"' in smol_tokenizer.decode(masked_ids(merged))  # the mistake stays in the context
+    # History rewritten between calls: a row per call, and the invalid one is no row at all.
+    assert [(e.trajectory_id, e.seq) for e in examples if e.trajectory_id == split] == [(split, 1)]
 
 
 # -- render equality with what the local backend served ------------------------------------------------
@@ -299,21 +325,26 @@ async def test_store_round_trip_trains_on_the_exact_ids_served(
     # The store keeps JSON with sorted keys, so the tool specs read back differ in key order from those sent
     # (TOOLS lists name, description, parameters): they render the same, so the captured ids are recognised.
     examples, stats = examples_from_store(tmp_path / "harness.db", Filters(), smol_tokenizer, max_seq_len=4096)
-    assert stats.trajectories == 1 and stats.captured == 2 and stats.rendered == 0 and stats.mismatched == 0
-    assert len(examples) == len(results) == 2
-    for example, result in zip(examples, results, strict=True):
-        prompt = result.extras.prompt_token_ids
-        completion = result.extras.completion_token_ids[0]
-        assert example.input_ids[:len(prompt)] == prompt
-        assert example.input_ids[len(prompt):] == completion
-        assert example.labels == [IGNORE] * len(prompt) + completion
-    assert trained_text(smol_tokenizer, examples[0]) == TOOL_CALL_TEXT
-    assert trained_text(smol_tokenizer, examples[1]) == FINAL_TEXT
+    assert stats.trajectories == 1 and stats.merged == 1 and stats.captured == 1 and stats.mismatched == 0
+    assert len(results) == 2 and len(examples) == 1
+    [row] = examples
+    first, second = (r.extras for r in results)
+    # The last call's prompt and reply, exactly as served; the first reply labelled where it lies in that prompt,
+    # and those labels are the very ids the model generated at the first step.
+    assert row.input_ids == second.prompt_token_ids + second.completion_token_ids[0]
+    start = len(first.prompt_token_ids)
+    end = start + len(first.completion_token_ids[0])
+    assert row.input_ids[:start] == first.prompt_token_ids
+    assert row.labels[start:end] == first.completion_token_ids[0]
+    assert row.labels[len(second.prompt_token_ids):] == second.completion_token_ids[0]
+    assert all(label == IGNORE for label in row.labels[:start] + row.labels[end:len(second.prompt_token_ids)])
+    assert trained_text(smol_tokenizer, row) == TOOL_CALL_TEXT + FINAL_TEXT
     # Training in another rendering than the one served: the captured ids are not that prompt, so re-rendered.
     compact, stats = examples_from_store(tmp_path / "harness.db", Filters(), smol_tokenizer, max_seq_len=4096,
                                          rendering="compact")
-    assert stats.captured == 0 and stats.rendered == stats.mismatched == 2
-    assert masked_ids(compact[0]) == encode_prompt(smol_tokenizer, HISTORY, TOOLS, rendering="compact")
+    assert stats.captured == 0 and stats.rendered == stats.mismatched == 1
+    prompt = encode_prompt(smol_tokenizer, HISTORY, TOOLS, rendering="compact")
+    assert compact[0].input_ids[:len(prompt)] == prompt
 
 
 async def test_production_traffic_without_a_verifier_trains_on_what_users_rated_up(
@@ -370,7 +401,7 @@ async def test_demonstrations_and_imports_train_on_the_prompt_the_engine_generat
     finally:
         await store.close()
     examples, stats = examples_from_store(path, Filters(), smol_tokenizer, max_seq_len=4096, rendering=rendering)
-    assert stats.trajectories == 2 and stats.rendered == len(examples) == 4
+    assert stats.trajectories == 2 and stats.merged == stats.rendered == len(examples) == 2
 
     backend = LocalBackend(BackendSettings(name="local", kind="local", model_path=str(tiny_model_dir),
                                            tool_rendering=rendering))
@@ -383,9 +414,10 @@ async def test_demonstrations_and_imports_train_on_the_prompt_the_engine_generat
         await backend.aclose()
     assert served[0] != encode_prompt(smol_tokenizer, DEMO_MESSAGES[:turns[0]], TOOLS,
                                       rendering="compact" if rendering == "hermes" else "hermes")
-    for example, prompt in zip(examples, served * 2, strict=True):
-        assert masked_ids(example) == prompt  # the prompt, token for token, is what the engine generates from
-    assert trained_text(smol_tokenizer, examples[1]) == FINAL_TEXT
+    for row in examples:  # each call's prompt, token for token, is what the engine generates from
+        assert row.input_ids[:len(served[0])] == served[0] and row.input_ids[:len(served[1])] == served[1]
+        assert all(label == IGNORE for label in row.labels[:len(served[0])])
+        assert trained_text(smol_tokenizer, row) == TOOL_CALL_TEXT + FINAL_TEXT
 
 
 # -- mixing --------------------------------------------------------------------------------------------
