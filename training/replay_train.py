@@ -6,8 +6,8 @@
 2. reward: the reward engine scores them (``[rewards]``), so ``--min-reward`` sees fresh totals;
 3. build (sft): one SFT row per selected trajectory (every valid assistant turn labelled; a row per model call
    where the history was rewritten or the row is too long), rendered exactly as the embedded backend prompts;
-   invalid calls are context, never labels; rows holding test-split material are dropped; recovered trajectories are repeated up to
-   ``min_recovered_share`` and general rows mixed in at ``general_share``;
+   invalid calls are context, never labels; rows holding test-split material are dropped; recovered
+   trajectories are repeated up to ``min_recovered_share`` and general rows mixed in at ``general_share``;
 4. train (sft): LoRA SFT (``[training]``), ``checkpoints`` evenly spaced checkpoints;
 5. validate (sft): every checkpoint on the suite's validation split; the best (success, then valid calls, then
    fewer invalid calls) is the candidate;
