@@ -27,7 +27,7 @@ from gateway.backends.local import LocalBackend
 from gateway.config import BackendSettings, TrainingSettings
 from replay.records import new_id
 from training.metrics import METRICS, Episode, format_value, metrics_of
-from training.tasks import Suite, Task, get_suite
+from training.tasks import Suite, Task, get_suite, test_only_markers
 
 log = structlog.get_logger()
 
@@ -114,12 +114,14 @@ class Evaluator:
                        progress: str | None = None) -> list[Episode]:
         """Run every task once; with ``recorder_for`` each episode is also recorded (e.g. into the store)."""
         backend = _WithAdapter(self.backend, await self._adapter_name(adapter))
+        unseen = set(test_only_markers(suite)["tools"])
         gate = asyncio.Semaphore(self.settings.eval_concurrency)
         bar = tqdm(total=len(tasks), desc=progress, unit="ep", disable=progress is None, leave=False)
 
         async def one(task: Task) -> Episode:
             async with gate:
                 episode = await self._episode(suite, task, backend, recorder_for, temperature)
+                episode.unseen_tools = bool(unseen & set(task.tools))
             bar.update()
             return episode
 

@@ -9,6 +9,8 @@ Metrics (each in [0, 1] except ``mean_steps`` and ``general_perplexity``):
   satisfy its schema);
 - ``invalid_call_rate``: invalid calls over all calls made (0 when none were made);
 - ``recovery_rate``: of the episodes with an injected tool failure, those that still succeeded;
+- ``unseen_tool_success_rate``: of the episodes offering a tool that no train or validation task offers (the
+  tool is known to the model from its description alone), those that succeeded;
 - ``general_perplexity``: perplexity on the held-out part of the general data (the general-ability check;
   lower is better), computed outside the loop with the same weights.
 """
@@ -18,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 METRICS = ("success_rate", "mean_steps", "valid_call_rate", "invalid_call_rate", "recovery_rate",
-           "general_perplexity")
+           "unseen_tool_success_rate", "general_perplexity")
 HIGHER_IS_BETTER = {"success_rate": True, "mean_steps": False, "valid_call_rate": True, "invalid_call_rate": False,
-                    "recovery_rate": True, "general_perplexity": False}
+                    "recovery_rate": True, "unseen_tool_success_rate": True, "general_perplexity": False}
 
 
 @dataclass
@@ -37,6 +39,7 @@ class Episode:
     termination_reason: str | None
     final: str | None
     run_id: str
+    unseen_tools: bool = False  # offered a tool no train or validation task offers
 
 
 def metrics_of(episodes: list[Episode]) -> dict[str, float | None]:
@@ -52,6 +55,7 @@ def metrics_of(episodes: list[Episode]) -> dict[str, float | None]:
         "valid_call_rate": share([e.tool_calls > 0 and e.invalid_calls == 0 for e in needing]),
         "invalid_call_rate": sum(e.invalid_calls for e in episodes) / calls if calls else 0.0,
         "recovery_rate": share([e.success for e in episodes if e.faulted]),
+        "unseen_tool_success_rate": share([e.success for e in episodes if e.unseen_tools]),
     }
 
 

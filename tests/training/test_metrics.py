@@ -6,10 +6,10 @@ from training.metrics import Episode, format_value, metrics_of
 
 
 def episode(success: bool, steps: int, calls: int, invalid: int, *, family: str = "calculator",
-            faulted: bool = False) -> Episode:
+            faulted: bool = False, unseen: bool = False) -> Episode:
     return Episode(task_id="t", family=family, success=success, steps=steps, tool_calls=calls, invalid_calls=invalid,
                    needs_tools=family != "cannot", faulted=faulted, status="completed", termination_reason=None,
-                   final="", run_id="r")
+                   final="", run_id="r", unseen_tools=unseen)
 
 
 def test_metrics_match_hand_computed_values() -> None:
@@ -20,18 +20,22 @@ def test_metrics_match_hand_computed_values() -> None:
         episode(True, 1, 0, 0, family="cannot"),      # needs no tool: not counted for validity
         episode(True, 3, 2, 0, faulted=True),         # recovered
         episode(False, 4, 1, 0, faulted=True),        # did not recover
+        episode(True, 2, 1, 0, unseen=True),          # a tool only described, used well
+        episode(False, 2, 1, 1, unseen=True),         # and used badly
     ]
     m = metrics_of(episodes)
-    assert m["success_rate"] == 3 / 6
-    assert m["mean_steps"] == (2 + 3 + 1 + 1 + 3 + 4) / 6
-    assert m["valid_call_rate"] == 3 / 5  # episodes 1, 5, 6 of the five that need tools
-    assert m["invalid_call_rate"] == 1 / 6  # calls: 1 + 2 + 0 + 0 + 2 + 1
+    assert m["success_rate"] == 4 / 8
+    assert m["mean_steps"] == (2 + 3 + 1 + 1 + 3 + 4 + 2 + 2) / 8
+    assert m["valid_call_rate"] == 4 / 7  # episodes 1, 5, 6, 7 of the seven that need tools
+    assert m["invalid_call_rate"] == 2 / 8  # calls: 1 + 2 + 0 + 0 + 2 + 1 + 1 + 1
     assert m["recovery_rate"] == 1 / 2
+    assert m["unseen_tool_success_rate"] == 1 / 2
 
 
 def test_no_calls_and_no_faults_are_reported_plainly() -> None:
     m = metrics_of([episode(False, 1, 0, 0)])
     assert m["invalid_call_rate"] == 0.0 and m["recovery_rate"] is None and m["valid_call_rate"] == 0.0
+    assert m["unseen_tool_success_rate"] is None
     assert metrics_of([])["success_rate"] is None
 
 

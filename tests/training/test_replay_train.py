@@ -69,7 +69,9 @@ def test_replay_train_selects_trains_validates_gates_and_registers(settings: Set
     assert version.status == ("active" if outcome.decision.passed else "candidate")
     stored = AdapterRegistry(settings.store.path).get("tools", 1).metrics
     assert stored["gate"]["passed"] == outcome.decision.passed
-    assert set(stored["test"]) >= {"success_rate", "valid_call_rate", "recovery_rate", "general_perplexity"}
+    assert set(stored["test"]) >= {"success_rate", "valid_call_rate", "recovery_rate", "general_perplexity",
+                                   "unseen_tool_success_rate"}
+    assert stored["test"]["unseen_tool_success_rate"] is not None  # the test split's convert_units tasks
     assert stored["reference"]["model"] == "base"
     run = outcome.run_dir
     for name in ("eval.json", "eval.png", "loss.png", "metrics.jsonl"):
