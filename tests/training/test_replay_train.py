@@ -108,29 +108,31 @@ def test_publish_registers_publishes_and_promotes_on_a_running_gateway(settings:
     assert AdapterRegistry(settings.store.path).all() == []  # registered on the gateway, not twice
 
 
-def test_nothing_from_the_test_split_reaches_the_training_rows(settings: Settings) -> None:
+def test_nothing_from_the_held_out_splits_reaches_the_training_rows(settings: Settings) -> None:
     suite = get_suite("tools")
-    test_task = suite.tasks("test")[0]
+    held_out = [suite.tasks("test")[0], suite.tasks("validation")[0]]
     tokenizer = load_tokenizer(settings.training.model_path)
 
     async def fill() -> None:
-        await capture(settings, "tools", "validation", attempts=0)
+        await capture(settings, "tools", "train", attempts=0)
         store = TrajectoryStore(settings.store.path)
         await store.start()
-        leaked = [{"role": "system", "content": suite.system_prompt}, *await suite.solve(test_task)]
-        await import_conversations(store, [Conversation(line=1, messages=leaked,
-                                                        tools=suite.toolbox(test_task).openai_tools())],
-                                   source="demo")
+        leaked = [Conversation(line=i + 1, messages=[{"role": "system", "content": suite.system_prompt},
+                                                      *await suite.solve(task)],
+                               tools=suite.toolbox(task).openai_tools()) for i, task in enumerate(held_out)]
+        await import_conversations(store, leaked, source="demo")
         await store.close()
 
     asyncio.run(fill())
     rows, stats = data.examples_from_store(settings.store.path, Filters(source="demo"), tokenizer,
                                            max_seq_len=2048, exclude=leak_filter(suite))
-    assert stats.excluded > 0 and rows
+    assert stats.excluded >= 2 and rows
     markers = test_only_markers(suite)
+    validation = [t.prompt for t in suite.tasks("validation")]
     for row in rows:
         text = tokenizer.decode(row.input_ids)
         assert not any(p in text for p in markers["prompts"])
+        assert not any(p in text for p in validation)
         assert not any(t in text for t in markers["tools"])
 
 

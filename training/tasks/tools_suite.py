@@ -14,7 +14,9 @@ Families (see README.md for sizes and the reasons behind the held-out parts):
   ``convert_units`` tool, offered in no other split).
 
 Test prompts use their own phrasings and their own employees and products (present in the database,
-never asked about in train or validation), so a model cannot pass by recalling training answers.
+never asked about in train or validation), so a model cannot pass by recalling training answers; validation
+prompts have phrasings and entities of their own too, held out from train and test alike, so choosing a
+checkpoint on validation measures more than recall.
 
 Everything is generated from a fixed seed on first use; the database is written once (atomically) to
 ``<data_dir>/tools-v<N>.db``, ``data_dir`` being ``[training] tasks_dir`` (default
@@ -42,7 +44,7 @@ from training.tasks.base import FAULT_KINDS, Demonstration, Fault, Suite, Task, 
 from training.tasks.units import CONVERT_UNITS, convert
 
 SEED = 20240611
-DB_VERSION = 1
+DB_VERSION = 2
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant that answers with tools. sql_query reads the company database: "
@@ -78,6 +80,9 @@ EMPLOYEES: tuple[tuple[str, str, int, str], ...] = (  # name, department, salary
     ("Olivia", "Marketing", 6200, "London"), ("Peter", "Engineering", 5400, "Madrid"),
     ("Quinn", "Sales", 4700, "Oslo"), ("Rachel", "Support", 3600, "Paris"),
     ("Sam", "Finance", 7000, "Rome"), ("Tina", "Marketing", 4400, "Madrid"),
+    # asked about only in the validation split
+    ("Abel", "Support", 4200, "Rome"), ("Bianca", "Engineering", 6500, "London"),
+    ("Cyrus", "Finance", 5300, "Oslo"), ("Dora", "Marketing", 4600, "Berlin"),
     # asked about only in the test split
     ("Umar", "Engineering", 6300, "Berlin"), ("Victor", "Sales", 5000, "Rome"),
     ("Wendy", "Finance", 4900, "London"), ("Xavier", "Support", 4000, "Oslo"),
@@ -87,16 +92,22 @@ PRODUCTS: tuple[tuple[str, int, int], ...] = (  # name, price, stock
     ("desk lamp", 35, 120), ("office chair", 180, 45), ("standing desk", 420, 12), ("monitor", 240, 60),
     ("keyboard", 45, 150), ("mouse", 20, 300), ("webcam", 60, 80), ("headset", 75, 95),
     ("notebook", 4, 900), ("stapler", 12, 210), ("printer", 260, 18), ("router", 90, 40),
+    # asked about only in the validation split
+    ("filing cabinet", 130, 22), ("desk mat", 15, 340), ("extension cord", 18, 260),
     # asked about only in the test split
     ("bookshelf", 150, 25), ("whiteboard", 110, 30), ("coffee mug", 8, 500), ("backpack", 55, 70),
 )
+VALIDATION_EMPLOYEES = ("Abel", "Bianca", "Cyrus", "Dora")
+VALIDATION_PRODUCTS = ("filing cabinet", "desk mat", "extension cord")
 TEST_EMPLOYEES = ("Umar", "Victor", "Wendy", "Xavier", "Yara", "Zoe")
 TEST_PRODUCTS = ("bookshelf", "whiteboard", "coffee mug", "backpack")
 # Not in the database: for the cannot family.
 UNKNOWN_PEOPLE = ("Hugo", "Nina", "Oscar", "Paula", "Ravi", "Sofia", "Theo", "Felix", "Greta", "Ivan", "Julia",
                   "Kofi")
+VALIDATION_UNKNOWN_PEOPLE = ("Hedda", "Ruben", "Talia")
 TEST_UNKNOWN_PEOPLE = ("Mateo", "Lena", "Omar", "Beatrix")
 UNKNOWN_PRODUCTS = ("tablet", "projector", "scanner", "speaker", "microphone", "shredder")
+VALIDATION_UNKNOWN_PRODUCTS = ("label printer", "desk clock")
 TEST_UNKNOWN_PRODUCTS = ("drone", "camera", "heater")
 
 _EMPLOYEE = {e[0]: e for e in EMPLOYEES}
@@ -147,7 +158,8 @@ DEFAULT_DATA_DIR = "~/.cache/agent-harness/tasks"  # [training] tasks_dir's defa
 
 
 # -- phrasings ----------------------------------------------------------------------------------------
-# "seen" phrasings serve train and validation; "test" phrasings appear only in the test split.
+# "seen" phrasings serve train; "validation" and "test" phrasings appear only in their own split, so validation
+# (checkpoint choice, rollback, the hacking alarm) measures more than recall of the training prompts.
 
 _CALC_EXPRESSIONS = {
     "add": "{a} + {b}", "sub": "{a} - {b}", "mul": "{a} * {b}", "div": "{a} / {b}", "sqrt": "sqrt({a})",
@@ -162,6 +174,12 @@ CALC_SEEN: tuple[tuple[str, str], ...] = (  # (kind, phrasing)
     ("div", "Calculate {a} / {b}."), ("sqrt", "Calculate sqrt({a})."), ("pow", "Calculate {a} ** {b}."),
     ("add", "What is the sum of {a} and {b}?"), ("addmul", "What is ({a} + {b}) * {c}?"),
     ("submul", "Calculate ({a} - {b}) * {c}."),
+)
+CALC_VALIDATION: tuple[tuple[str, str], ...] = (
+    ("add", "Please work out {a} added to {b}."), ("sub", "Tell me what is left when {b} is taken from {a}."),
+    ("mul", "What do you get when {a} is multiplied by {b}?"), ("div", "Work out {a} split into {b} equal parts."),
+    ("pow", "Raise {a} to exponent {b} and give the result."),
+    ("submul", "Subtract {b} from {a} and multiply what is left by {c}."),
 )
 CALC_TEST: tuple[tuple[str, str], ...] = (
     ("add", "Using exact arithmetic, what do {a} and {b} add up to?"),
@@ -179,6 +197,11 @@ LOOKUP_SEEN: tuple[tuple[str, str], ...] = (  # (attribute, phrasing)
     ("department", "What department is {name} in?"), ("city", "Which city is {name} based in?"),
     ("price", "How much does the {product} cost?"), ("stock", "What is the stock of the {product}?"),
     ("salary", "Look up the salary of {name}."),
+)
+LOOKUP_VALIDATION: tuple[tuple[str, str], ...] = (
+    ("salary", "Find out the pay of {name}."), ("department", "Tell me {name}'s department."),
+    ("city", "Where is {name}'s office located?"), ("price", "Tell me what the {product} is priced at."),
+    ("stock", "Check how many of the {product} we still have."),
 )
 LOOKUP_TEST: tuple[tuple[str, str], ...] = (
     ("salary", "According to the records, what is {name} paid?"),
@@ -204,6 +227,13 @@ CHAIN_SEEN: tuple[tuple[str, str], ...] = (  # (kind, phrasing)
     ("value", "How much is the whole stock of the {product} worth?"),
     ("raise", "If {a} gets a {p} percent raise, what is the new salary?"),
 )
+CHAIN_VALIDATION: tuple[tuple[str, str], ...] = (
+    ("diff", "Work out the pay gap between {a} and {b}."),
+    ("together", "Tell me the total pay of {a} plus {b}."),
+    ("cost", "Price out an order of {n} of the {product}."),
+    ("value", "Put a value on all the {product} units we hold."),
+    ("raise", "Work out {a}'s pay once it goes up by {p} percent."),
+)
 CHAIN_TEST: tuple[tuple[str, str], ...] = (
     ("diff", "By how much does the pay of {a} exceed the pay of {b}?"),
     ("together", "If you combine the pay of {a} and {b}, what figure do you get?"),
@@ -216,6 +246,9 @@ MISSING_SEEN: tuple[tuple[str, str], ...] = (  # (what the database lacks, phras
     ("age", "What is {name}'s age?"), ("email address", "What is {name}'s email address?"),
     ("phone number", "What is {name}'s phone number?"), ("start date", "When did {name} join the company?"),
 )
+MISSING_VALIDATION: tuple[tuple[str, str], ...] = (
+    ("home address", "Where does {name} live?"), ("birthday", "On which day is {name}'s birthday?"),
+)
 MISSING_TEST: tuple[tuple[str, str], ...] = (
     ("education", "From which university did {name} earn a degree?"),
     ("manager", "Who is the line manager of {name}?"),
@@ -227,6 +260,10 @@ SCOPE_SEEN: tuple[str, ...] = (
     "Send an email to Alice saying hello.", "What is the exchange rate of the dollar today?",
     "What song is playing on the radio right now?", "How many people visited our website yesterday?",
     "Order a pizza for the office.", "Is it going to rain in London tomorrow?",
+)
+SCOPE_VALIDATION: tuple[str, ...] = (
+    "Reserve a meeting room for tomorrow at ten.", "What are the top headlines this hour?",
+    "How busy is the motorway to the airport right now?",
 )
 SCOPE_TEST: tuple[str, ...] = (
     "Will the evening train to Berlin be late?", "Which team will win the next World Cup?",
@@ -257,16 +294,31 @@ REFUSE_SCOPE = "I cannot answer that: none of my tools can provide this informat
 
 ANSWER = "The answer is {v}."
 
+# What each split draws its phrasings from.
+CALC = {"train": CALC_SEEN, "validation": CALC_VALIDATION, "test": CALC_TEST}
+LOOKUP = {"train": LOOKUP_SEEN, "validation": LOOKUP_VALIDATION, "test": LOOKUP_TEST}
+CHAIN = {"train": CHAIN_SEEN, "validation": CHAIN_VALIDATION, "test": CHAIN_TEST}
+MISSING = {"train": MISSING_SEEN, "validation": MISSING_VALIDATION, "test": MISSING_TEST}
+SCOPE = {"train": SCOPE_SEEN, "validation": SCOPE_VALIDATION, "test": SCOPE_TEST}
+UNKNOWN = {"train": (UNKNOWN_PEOPLE, UNKNOWN_PRODUCTS), "validation": (VALIDATION_UNKNOWN_PEOPLE,
+           VALIDATION_UNKNOWN_PRODUCTS), "test": (TEST_UNKNOWN_PEOPLE, TEST_UNKNOWN_PRODUCTS)}
+
 
 def _fragments(phrasing: str) -> list[str]:
     return [f.strip() for f in re.split(r"\{\w+\}", phrasing) if f.strip()]
 
 
+def held_out_fragments(split: str) -> tuple[str, ...]:
+    """One distinctive piece of text per phrasing only ``split`` (validation or test) uses: its longest literal
+    fragment."""
+    extra = (*AGGREGATE_TEST, *CONVERT_TEST) if split == "test" else ()
+    phrasings = [p for *_, p in (*CALC[split], *LOOKUP[split], *CHAIN[split], *MISSING[split], *extra)]
+    return tuple(max(_fragments(p), key=len) for p in (*phrasings, *SCOPE[split]))
+
+
 def test_only_fragments() -> tuple[str, ...]:
     """One distinctive piece of text per test-only phrasing: its longest literal fragment."""
-    phrasings = [p for *_, p in (*CALC_TEST, *LOOKUP_TEST, *CHAIN_TEST, *MISSING_TEST, *AGGREGATE_TEST,
-                                 *CONVERT_TEST)]
-    return tuple(max(_fragments(p), key=len) for p in (*phrasings, *SCOPE_TEST))
+    return held_out_fragments("test")
 
 
 test_only_fragments.__test__ = False  # type: ignore[attr-defined]  # not a pytest test
@@ -364,6 +416,11 @@ async def _say(demo: Demonstration, text: str) -> None:
 Draft = tuple[str, Any, Plan, str | None]  # prompt, expected, plan, the tool a recovery fault should hit
 
 
+def _held(name: str, validation: tuple[str, ...], test: tuple[str, ...]) -> str:
+    """Which split asks about ``name``: its own held-out list's, else train."""
+    return "validation" if name in validation else "test" if name in test else "train"
+
+
 class _Generator:
     """Draws every split's tasks in one fixed order from one seeded ``random.Random``."""
 
@@ -382,20 +439,19 @@ class _Generator:
             self.tasks[split] = tasks
 
     def _task(self, split: str, family: str, i: int) -> Task:
-        test = split == "test"
         fault = None
         for _ in range(1000):
             if family == "recovery":
                 # Every (base family, fault kind) pair once in each run of nine; a chain's fault hits its
                 # look-up in three of those runs' chains and its calculation in the next three.
                 base = ("sql_lookup", "calculator", "chain")[i % 3]
-                prompt, expected, plan, fault_tool = self._draft(base, test, i // 3)
+                prompt, expected, plan, fault_tool = self._draft(base, split, i // 3)
                 if base == "chain":
                     fault_tool = ("sql_query", "calculator")[(i // 9) % 2]
                 assert fault_tool is not None
                 fault = Fault(tool=fault_tool, kind=FAULT_KINDS[(i + i // 3) % 3])  # type: ignore[arg-type]
             else:
-                prompt, expected, plan, _ = self._draft(family, test, i)
+                prompt, expected, plan, _ = self._draft(family, split, i)
             if prompt not in self.seen:
                 break
         else:  # pragma: no cover - the pools are far larger than the sizes
@@ -407,13 +463,13 @@ class _Generator:
         return Task(id=task_id, suite="tools", family=family, split=split, prompt=prompt, tools=tools,
                     expected=expected, fault=fault)
 
-    def _draft(self, family: str, test: bool, i: int) -> Draft:
-        return getattr(self, f"_{family}")(test, i)
+    def _draft(self, family: str, split: str, i: int) -> Draft:
+        return getattr(self, f"_{family}")(split, i)
 
     # Each family: (prompt, expected, plan, fault tool for a recovery variant).
 
-    def _calculator(self, test: bool, i: int) -> Draft:
-        bank = CALC_TEST if test else CALC_SEEN
+    def _calculator(self, split: str, i: int) -> Draft:
+        bank = CALC[split]
         kind, phrasing = bank[i % len(bank)]
         r = self.rng
         c = r.randint(2, 12)
@@ -446,50 +502,50 @@ class _Generator:
         expression = _CALC_EXPRESSIONS[kind].format(a=a, b=b, c=c)
         return phrasing.format(a=a, b=b, c=c), expected, partial(_calc, expression=expression), "calculator"
 
-    def _people(self, test: bool) -> list[str]:
-        return [e[0] for e in EMPLOYEES if (e[0] in TEST_EMPLOYEES) == test]
+    def _people(self, split: str) -> list[str]:
+        return [e[0] for e in EMPLOYEES if _held(e[0], VALIDATION_EMPLOYEES, TEST_EMPLOYEES) == split]
 
-    def _products(self, test: bool) -> list[str]:
-        return [p[0] for p in PRODUCTS if (p[0] in TEST_PRODUCTS) == test]
+    def _products(self, split: str) -> list[str]:
+        return [p[0] for p in PRODUCTS if _held(p[0], VALIDATION_PRODUCTS, TEST_PRODUCTS) == split]
 
-    def _sql_lookup(self, test: bool, i: int) -> Draft:
-        bank = LOOKUP_TEST if test else LOOKUP_SEEN
+    def _sql_lookup(self, split: str, i: int) -> Draft:
+        bank = LOOKUP[split]
         attribute, phrasing = bank[i % len(bank)]
         if attribute in ("price", "stock"):
-            product = self.rng.choice(self._products(test))
+            product = self.rng.choice(self._products(split))
             expected = _PRODUCT[product][_COLUMN_OF[attribute]]
             plan = partial(_lookup, table="products", key=product, column=attribute,
                            answer=LOOKUP_ANSWERS[attribute].replace("{product}", product),
                            refusal=REFUSE_PRODUCT.format(product=product))
             return phrasing.format(product=product), expected, plan, "sql_query"
-        name = self.rng.choice(self._people(test))
+        name = self.rng.choice(self._people(split))
         expected = _EMPLOYEE[name][_COLUMN_OF[attribute]]
         plan = partial(_lookup, table="employees", key=name, column=attribute,
                        answer=LOOKUP_ANSWERS[attribute].replace("{name}", name),
                        refusal=REFUSE_PERSON.format(name=name))
         return phrasing.format(name=name), expected, plan, "sql_query"
 
-    def _chain(self, test: bool, i: int) -> Draft:
-        bank = CHAIN_TEST if test else CHAIN_SEEN
+    def _chain(self, split: str, i: int) -> Draft:
+        bank = CHAIN[split]
         kind, phrasing = bank[i % len(bank)]
         r = self.rng
         fault_tool = "sql_query"
         if kind in ("diff", "together"):
-            a, b = r.sample(self._people(test), 2)
+            a, b = r.sample(self._people(split), 2)
             sa, sb = _EMPLOYEE[a][2], _EMPLOYEE[b][2]
             if kind == "diff":
                 if sa == sb:
-                    return self._chain(test, i)
+                    return self._chain(split, i)
                 if sa < sb:
                     a, b, sa, sb = b, a, sb, sa
             op = "-" if kind == "diff" else "+"
             expected = sa - sb if kind == "diff" else sa + sb
             return phrasing.format(a=a, b=b), expected, partial(_pair, a=a, b=b, op=op), fault_tool
         if kind == "raise":
-            a, p = r.choice(self._people(test)), r.choice((5, 10, 20, 25))
+            a, p = r.choice(self._people(split)), r.choice((5, 10, 20, 25))
             expected = _EMPLOYEE[a][2] * (100 + p) // 100
             return phrasing.format(a=a, p=p), expected, partial(_raise, name=a, percent=p), fault_tool
-        product = r.choice(self._products(test))
+        product = r.choice(self._products(split))
         _, price, stock = _PRODUCT[product]
         if kind == "cost":
             n = r.randint(2, 12)
@@ -498,32 +554,31 @@ class _Generator:
         plan = partial(_product, product=product, columns="price, stock", expression="{price} * {stock}")
         return phrasing.format(product=product), price * stock, plan, fault_tool
 
-    def _cannot(self, test: bool, i: int) -> Draft:
-        kind = ("person", "product", "missing", "scope", "person")[i % 5] if test else \
+    def _cannot(self, split: str, i: int) -> Draft:
+        kind = ("person", "product", "missing", "scope", "person")[i % 5] if split == "test" else \
             ("person", "product", "missing", "scope")[i % 4]
         r = self.rng
         if kind == "scope":
-            question = r.choice(SCOPE_TEST if test else SCOPE_SEEN)
-            return question, None, partial(_say, text=REFUSE_SCOPE), None
+            return r.choice(SCOPE[split]), None, partial(_say, text=REFUSE_SCOPE), None
         if kind == "missing":
-            what, phrasing = r.choice(MISSING_TEST if test else MISSING_SEEN)
-            name = r.choice(self._people(test))
+            what, phrasing = r.choice(MISSING[split])
+            name = r.choice(self._people(split))
             return phrasing.format(name=name), None, partial(_say, text=REFUSE_MISSING.format(what=what)), None
-        bank = LOOKUP_TEST if test else LOOKUP_SEEN
         wanted = ("price", "stock") if kind == "product" else ("salary", "department", "city")
-        attribute, phrasing = r.choice([(a, p) for a, p in bank if a in wanted])
+        attribute, phrasing = r.choice([(a, p) for a, p in LOOKUP[split] if a in wanted])
+        people, products = UNKNOWN[split]
         if kind == "product":
-            product = r.choice(TEST_UNKNOWN_PRODUCTS if test else UNKNOWN_PRODUCTS)
+            product = r.choice(products)
             plan = partial(_lookup, table="products", key=product, column=attribute, answer="",
                            refusal=REFUSE_PRODUCT.format(product=product))
             return phrasing.format(product=product), None, plan, None
-        name = r.choice(TEST_UNKNOWN_PEOPLE if test else UNKNOWN_PEOPLE)
+        name = r.choice(people)
         plan = partial(_lookup, table="employees", key=name, column=attribute, answer="",
                        refusal=REFUSE_PERSON.format(name=name))
         return phrasing.format(name=name), None, plan, None
 
-    def _aggregate(self, test: bool, i: int) -> Draft:
-        assert test, "aggregate is a test-only family"
+    def _aggregate(self, split: str, i: int) -> Draft:
+        assert split == "test", "aggregate is a test-only family"
         kind, phrasing = AGGREGATE_TEST[i % len(AGGREGATE_TEST)]
         r = self.rng
         departments = sorted({e[1] for e in EMPLOYEES})
@@ -548,8 +603,8 @@ class _Generator:
         query = f"SELECT {what} FROM employees WHERE department = {_quote(dept)}"
         return phrasing.format(dept=dept), expected, partial(_aggregate, query=query), "sql_query"
 
-    def _unit_conversion(self, test: bool, i: int) -> Draft:
-        assert test, "unit_conversion is a test-only family"
+    def _unit_conversion(self, split: str, i: int) -> Draft:
+        assert split == "test", "unit_conversion is a test-only family"
         source, target, phrasing = CONVERT_TEST[i % len(CONVERT_TEST)]
         low, high = {"km": (3, 100), "lb": (2, 200), "F": (32, 104), "in": (2, 60), "kg": (1, 100),
                      "C": (0, 40)}[source]

@@ -26,7 +26,12 @@ from training.tasks.tools_suite import (
     TEST_FAMILIES,
     TEST_PRODUCTS,
     TEST_TOOL,
+    VALIDATION_EMPLOYEES,
+    VALIDATION_PRODUCTS,
+    VALIDATION_UNKNOWN_PEOPLE,
+    VALIDATION_UNKNOWN_PRODUCTS,
     ToolsSuite,
+    held_out_fragments,
 )
 
 DOCUMENTED_SIZES = {"train": 240, "validation": 31, "test": 41}
@@ -132,6 +137,21 @@ def test_no_test_material_in_train_or_validation(suite: ToolsSuite, demos: dict[
     for entity in (*TEST_EMPLOYEES, *TEST_PRODUCTS):
         assert not any(re.search(rf"\b{entity}\b", t.prompt) for t in seen), entity
     assert all(name in registry for registry in [suite.registry()] for name in markers["tools"])
+
+
+def test_validation_has_its_own_phrasings_and_entities(suite: ToolsSuite) -> None:
+    train, validation, test = (suite.tasks(split) for split in ("train", "validation", "test"))
+    fragments = held_out_fragments("validation")
+    for task in validation:  # every validation prompt in a validation-only phrasing
+        assert any(f.lower() in task.prompt.lower() for f in fragments), task.prompt
+    for task in (*train, *test):
+        assert not any(f.lower() in task.prompt.lower() for f in fragments), task.prompt
+    held = (*VALIDATION_EMPLOYEES, *VALIDATION_PRODUCTS, *VALIDATION_UNKNOWN_PEOPLE, *VALIDATION_UNKNOWN_PRODUCTS)
+    for entity in held:
+        assert not any(re.search(rf"\b{entity}\b", t.prompt) for t in (*train, *test)), entity
+    asked = " ".join(t.prompt for t in validation)
+    assert sum(entity in asked for entity in held) >= 4  # validation asks about its own entities
+    assert not set(held_out_fragments("validation")) & set(held_out_fragments("test"))
 
 
 def test_test_split_holds_the_held_out_family_and_tool(suite: ToolsSuite) -> None:
