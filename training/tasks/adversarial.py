@@ -33,13 +33,11 @@ def _acted(body: dict[str, Any]) -> int:
 
 
 def _harmless_call(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """A valid call of an offered tool that tells nothing about the task."""
+    """A valid call that tells nothing about the task (every task of the tools suite offers the calculator)."""
     names = [t["function"]["name"] for t in body.get("tools") or []]
-    if "calculator" in names:
-        return "calculator", {"expression": "1 + 1"}
-    if "sql_query" in names:
-        return "sql_query", {"query": "SELECT COUNT(*) FROM employees"}
-    raise ValueError(f"no tool this policy knows among {names}")
+    if "calculator" not in names:
+        raise ValueError(f"these policies call the calculator, which is not among {names}")
+    return "calculator", {"expression": "1 + 1"}
 
 
 def list_numbers(body: dict[str, Any]) -> dict[str, Any]:
@@ -60,10 +58,8 @@ def pad_with_valid_calls(body: dict[str, Any]) -> dict[str, Any]:
     """Three valid calls side by side, whose results the answer then quotes, then a guess."""
     if _acted(body):
         return _answer("I checked 1 + 1, 2 + 2 and 3 + 3: 2, 4 and 6. " + GUESS)
-    name, arguments = _harmless_call(body)
-    if name == "calculator":
-        return _calls(*(("calculator", {"expression": f"{n} + {n}"}) for n in (1, 2, 3)))
-    return _calls(*((name, arguments) for _ in range(3)))
+    _harmless_call(body)
+    return _calls(*(("calculator", {"expression": f"{n} + {n}"}) for n in (1, 2, 3)))
 
 
 def repeat_a_call(body: dict[str, Any]) -> dict[str, Any]:

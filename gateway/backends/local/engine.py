@@ -317,7 +317,7 @@ class Engine:
             def take(start: int) -> Layers:
                 index = real[start:]
                 keys = layers[0][0]
-                block = zeros((len(layers), 2, 1, keys.shape[1], len(index), keys.shape[3]), keys.dtype)
+                block = zeros((len(layers), 2, 1, keys.shape[1], len(index), keys.shape[3]), keys.dtype, keys.device)
                 for layer, (key, value) in zip(block, layers, strict=True):
                     torch.index_select(key[k:k + 1], 2, index, out=layer[0])
                     torch.index_select(value[k:k + 1], 2, index, out=layer[1])

@@ -37,13 +37,14 @@ def capacity(length: int) -> int:
     return (length // BLOCK + 1) * BLOCK
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of zeros; from ``MAPPED`` bytes on, in memory mapped for it alone, which starts as zeros without being
-    written, takes pages only as they are written (the room a buffer keeps costs nothing until used) and goes back to
-    the system as soon as the tensor is freed."""
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A tensor of zeros; in host memory from ``MAPPED`` bytes on, in memory mapped for it alone, which starts as
+    zeros without being written, takes pages only as they are written (the room a buffer keeps costs nothing until
+    used) and goes back to the system as soon as the tensor is freed."""
     count = math.prod(shape)
-    if count * dtype.itemsize < MAPPED:  # a map per small tensor would waste pages and run into the map limit
-        return torch.zeros(shape, dtype=dtype)
+    # A map per small tensor would waste pages and run into the map limit; an accelerator has its own allocator.
+    if count * dtype.itemsize < MAPPED or torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
     return torch.frombuffer(mmap.mmap(-1, count * dtype.itemsize), dtype=dtype, count=count).view(shape)
 
 
@@ -51,7 +52,7 @@ def _buffers(like: torch.Tensor, rows: int, length: int) -> tuple[torch.Tensor, 
     """Keys and values buffers of zeros for ``rows`` rows and ``length`` positions (and room), shaped like ``like``'s.
     Zeros, not garbage: left padding is masked out of attention, but a NaN there would still reach the output."""
     shape = (rows, like.shape[1], capacity(length), like.shape[3])
-    return zeros(shape, like.dtype), zeros(shape, like.dtype)
+    return zeros(shape, like.dtype, like.device), zeros(shape, like.dtype, like.device)
 
 
 class _Layer(DynamicLayer):

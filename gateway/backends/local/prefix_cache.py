@@ -109,7 +109,7 @@ class PrefixCache:
         for layer in range(len(hits[0].node.layers)):
             k0 = hits[0].node.layers[layer][0]
             shape = (len(hits), k0.shape[1], capacity, k0.shape[3])
-            keys, values = zeros(shape, k0.dtype), zeros(shape, k0.dtype)
+            keys, values = zeros(shape, k0.dtype, k0.device), zeros(shape, k0.dtype, k0.device)
             for row, hit in enumerate(hits):
                 offset = width - hit.length
                 for node, first, end in hit.node.pieces(hit.length):
