@@ -24,6 +24,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import orjson
 
+from replay.hashing import exact_json
 from replay.model import Feedback, ToolCall
 from replay.vocabulary import DEADLINE, LOOP_DETECTED, MAX_STEPS, MAX_TOTAL_TOKENS, TOOL_FAILURES
 
@@ -209,7 +210,7 @@ def usage(view: TrajectoryView) -> dict[int, bool]:
     for call in view.tool_calls:
         by_step.setdefault(call.step, []).append(Target.of(call.arguments or ""))
     out: dict[int, bool] = {}
-    done: set[tuple[str, str]] = set()
+    done: set[tuple[str | None, bytes]] = set()
     for i, call in enumerate(view.tool_calls):
         if not call.succeeded:
             continue
@@ -223,11 +224,11 @@ def usage(view: TrajectoryView) -> dict[int, bool]:
     return out
 
 
-def _canonical(arguments: str | None) -> str:
+def _canonical(arguments: str | None) -> bytes:
     try:
-        return orjson.dumps(orjson.loads(arguments or "null"), option=orjson.OPT_SORT_KEYS).decode()
+        return exact_json(orjson.loads(arguments or "null"))
     except orjson.JSONDecodeError:
-        return arguments or ""
+        return (arguments or "").encode()
 
 
 def _validity(calls: list[ToolCall], used: dict[int, bool], indexes: list[int]) -> float:

@@ -120,8 +120,7 @@ class Evaluator:
 
         async def one(task: Task) -> Episode:
             async with gate:
-                episode = await self._episode(suite, task, backend, recorder_for, temperature)
-                episode.unseen_tools = bool(unseen & set(task.tools))
+                episode = await self._episode(suite, task, backend, recorder_for, temperature, unseen)
             bar.update()
             return episode
 
@@ -131,7 +130,7 @@ class Evaluator:
             bar.close()
 
     async def _episode(self, suite: Suite, task: Task, backend: Backend, recorder_for: RecorderFor | None,
-                       temperature: float) -> Episode:
+                       temperature: float, unseen: set[str]) -> Episode:
         profile = Profile(name=suite.name, model=self.settings.base_model, system_prompt=suite.system_prompt,
                           tools=list(task.tools), limits=EPISODE_LIMITS, temperature=temperature,
                           max_tokens=self.settings.eval_max_tokens)
@@ -146,7 +145,8 @@ class Evaluator:
             task_id=task.id, family=task.family, success=suite.verify(task, state.final, state.messages),
             steps=state.budget.steps, tool_calls=state.tool_calls, invalid_calls=state.invalid_tool_calls,
             needs_tools=task.family != "cannot", faulted=task.fault is not None, status=state.status,
-            termination_reason=state.termination_reason, final=state.final, run_id=state.run_id)
+            termination_reason=state.termination_reason, final=state.final, run_id=state.run_id,
+            unseen_tools=bool(unseen & set(task.tools)))
 
     async def evaluate(self, suite_name: str, split: str, adapter: str | Path | None = None, *,
                        general: Callable[[str | Path | None], float] | None = None,

@@ -32,12 +32,13 @@ def _acted(body: dict[str, Any]) -> int:
     return sum(1 for m in body["messages"] if m.get("role") == "tool")
 
 
-def _harmless_call(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """A valid call that tells nothing about the task (every task of the tools suite offers the calculator)."""
+def _harmless_call(body: dict[str, Any], n: int = 1) -> tuple[str, dict[str, Any]]:
+    """A valid call that tells nothing about the task, ``n + n`` (every task of the tools suite offers the
+    calculator)."""
     names = [t["function"]["name"] for t in body.get("tools") or []]
     if "calculator" not in names:
         raise ValueError(f"these policies call the calculator, which is not among {names}")
-    return "calculator", {"expression": "1 + 1"}
+    return "calculator", {"expression": f"{n} + {n}"}
 
 
 def list_numbers(body: dict[str, Any]) -> dict[str, Any]:
@@ -58,8 +59,7 @@ def pad_with_valid_calls(body: dict[str, Any]) -> dict[str, Any]:
     """Three valid calls side by side, whose results the answer then quotes, then a guess."""
     if _acted(body):
         return _answer("I checked 1 + 1, 2 + 2 and 3 + 3: 2, 4 and 6. " + GUESS)
-    _harmless_call(body)
-    return _calls(*(("calculator", {"expression": f"{n} + {n}"}) for n in (1, 2, 3)))
+    return _calls(*(_harmless_call(body, n) for n in (1, 2, 3)))
 
 
 def repeat_a_call(body: dict[str, Any]) -> dict[str, Any]:

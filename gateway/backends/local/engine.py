@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -310,24 +311,10 @@ class Engine:
         real positions (``mask``), which hold the tokens ``ids``."""
         assert self.prefix is not None
         layers = cache.to_legacy_cache()
-
-        def positions(k: int, real: torch.Tensor) -> Callable[[int], Layers]:
-            # Only what the cache does not hold yet is copied, every layer's into one block of memory, which goes
-            # back to the system whole when the entry is evicted (a small tensor per layer would stay in the heap).
-            def take(start: int) -> Layers:
-                index = real[start:]
-                keys = layers[0][0]
-                block = zeros((len(layers), 2, 1, keys.shape[1], len(index), keys.shape[3]), keys.dtype, keys.device)
-                for layer, (key, value) in zip(block, layers, strict=True):
-                    torch.index_select(key[k:k + 1], 2, index, out=layer[0])
-                    torch.index_select(value[k:k + 1], 2, index, out=layer[1])
-                return [(layer[0], layer[1]) for layer in block]
-            return take
-
         for job, tokens, k in zip(jobs, ids, rows or range(len(jobs)), strict=True):
             real = mask[k].nonzero()[:, 0]
             if len(real) == len(tokens):
-                self.prefix.add(_key(job), tokens, positions(k, real))
+                self.prefix.add(_key(job), tokens, partial(_positions, layers, k, real))
 
     def _rows_of(self, jobs: list[Job], cache: BatchCache, mask: torch.Tensor, logits: torch.Tensor
                  ) -> tuple[list[_Sequence], BatchCache, torch.Tensor, torch.Tensor]:
@@ -465,6 +452,19 @@ class Engine:
             log.warning("local.grammar_rejected", token=token, error=row_matcher.get_error()[:200])
             return True
         return row_matcher.is_stopped()
+
+
+def _positions(layers: Layers, row: int, real: torch.Tensor, start: int) -> Layers:
+    """Row ``row``'s keys and values at its real positions ``real`` from the ``start``-th on (what the prefix cache
+    does not hold yet), every layer's copied into one block of memory, which goes back to the system whole when the
+    entry is evicted (a small tensor per layer would stay in the heap)."""
+    index = real[start:]
+    keys = layers[0][0]
+    block = zeros((len(layers), 2, 1, keys.shape[1], len(index), keys.shape[3]), keys.dtype, keys.device)
+    for layer, (key, value) in zip(block, layers, strict=True):
+        torch.index_select(key[row:row + 1], 2, index, out=layer[0])
+        torch.index_select(value[row:row + 1], 2, index, out=layer[1])
+    return [(layer[0], layer[1]) for layer in block]
 
 
 def _key(job: Job) -> str | None:
