@@ -69,10 +69,11 @@ class Outcome:
 
 
 def leak_filter(suite: Suite) -> Callable[[str], bool]:
-    """Whether a training row's text holds held-out material: a test or validation prompt, or a test-only tool
-    (validation chooses checkpoints and rolls back: trained on, it would measure recall)."""
+    """Whether a training row's text holds held-out material: a test or validation prompt, a test-only tool or a
+    test-only phrasing (validation chooses checkpoints and rolls back: trained on, it would measure recall)."""
     markers = test_only_markers(suite)
-    needles = [*markers["prompts"], *(t.prompt for t in suite.tasks("validation")), *markers["tools"]]
+    needles = [*markers["prompts"], *(t.prompt for t in suite.tasks("validation")), *markers["tools"],
+               *markers["phrasings"]]
     return lambda text: any(n in text for n in needles)
 
 

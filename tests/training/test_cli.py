@@ -34,7 +34,7 @@ def test_eval_prints_the_table_and_writes_json_and_png(env: dict[str, str], tmp_
     assert result.exit_code == 0, result.output
     assert "success_rate" in result.output and "general_perplexity" in result.output
     (report,) = orjson.loads((tmp_path / "e" / "eval.json").read_bytes())
-    assert report["split"] == "validation" and len(report["episodes"]) == 31
+    assert report["split"] == "validation" and len(report["episodes"]) == 44
     assert (tmp_path / "e" / "eval.png").stat().st_size > 0
 
 
@@ -62,4 +62,4 @@ def test_tasks_list_names_each_task(env: dict[str, str]) -> None:
     result = runner.invoke(app, ["tasks", "list", "--split", "validation"], env=env)
     assert result.exit_code == 0
     lines = result.output.strip().splitlines()
-    assert len(lines) == 31 and all(line.startswith("tools/validation/") for line in lines)
+    assert len(lines) == 44 and all(line.startswith("tools/validation/") for line in lines)

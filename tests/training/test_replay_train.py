@@ -61,7 +61,7 @@ def settings(tmp_path: Path, tiny_model_dir: Path) -> Settings:
 
 def test_replay_train_selects_trains_validates_gates_and_registers(settings: Settings) -> None:
     result = asyncio.run(capture(settings, "tools", "train", attempts=0))
-    assert result.demonstrations == 240
+    assert result.demonstrations == 344
     outcome = asyncio.run(replay_train(settings, Filters(source="demo"), console=Console(quiet=True)))
     assert outcome.decision is not None and outcome.registered is not None
     version = outcome.registered
@@ -78,7 +78,7 @@ def test_replay_train_selects_trains_validates_gates_and_registers(settings: Set
         assert (run / name).stat().st_size > 0, name
     assert (Path(version.path) / "adapter_config.json").is_file()
     before, after = orjson.loads((run / "eval.json").read_bytes())
-    assert before["split"] == after["split"] == "test" and len(after["episodes"]) == 41
+    assert before["split"] == after["split"] == "test" and len(after["episodes"]) == 63
 
 
 def test_publish_registers_publishes_and_promotes_on_a_running_gateway(settings: Settings, tmp_path: Path,

@@ -40,6 +40,7 @@ from gateway.config import ToolsSettings
 from tools.builtin import calculator, sql_query
 from tools.context import ToolContext
 from tools.registry import ToolRegistry
+from training.tasks import services
 from training.tasks.base import FAULT_KINDS, Demonstration, Fault, Suite, Task, format_number
 from training.tasks.units import CONVERT_UNITS, convert
 
@@ -55,17 +56,23 @@ SYSTEM_PROMPT = (
 
 BASE_TOOLS = ("calculator", "sql_query")
 TEST_TOOL = "convert_units"
-TEST_FAMILIES = ("aggregate", "unit_conversion")
+TEST_FAMILIES = ("aggregate", "unit_conversion", "unseen_service")
 
-# Decline tasks stay under a tenth of every split, so a policy that always refuses solves less than 10%.
+# Decline tasks (cannot, service_decline) stay under a tenth of every split, so a policy that always refuses
+# solves less than 10%.
 SIZES: dict[str, dict[str, int]] = {
-    "train": {"calculator": 66, "sql_lookup": 66, "chain": 52, "cannot": 20, "recovery": 36},
-    "validation": {"calculator": 7, "sql_lookup": 7, "chain": 7, "cannot": 3, "recovery": 7},
+    "train": {"calculator": 66, "sql_lookup": 66, "chain": 52, "cannot": 20, "recovery": 36,
+              "service_lookup": 30, "service_search": 18, "service_quote": 18, "service_chain": 18,
+              "service_recovery": 12, "service_decline": 8},
+    "validation": {"calculator": 7, "sql_lookup": 7, "chain": 7, "cannot": 3, "recovery": 7,
+                   "service_lookup": 4, "service_search": 2, "service_quote": 2, "service_chain": 2,
+                   "service_recovery": 2, "service_decline": 1},
     "test": {"calculator": 6, "sql_lookup": 6, "chain": 6, "cannot": 4, "recovery": 5, "aggregate": 7,
-             "unit_conversion": 7},
+             "unit_conversion": 7, "service_lookup": 3, "service_search": 2, "service_quote": 2, "service_chain": 2,
+             "service_recovery": 2, "service_decline": 1, "unseen_service": 10},
 }
 _ID_PREFIX = {"calculator": "calc", "sql_lookup": "sql", "chain": "chain", "cannot": "cannot", "recovery": "recovery",
-              "aggregate": "aggregate", "unit_conversion": "convert"}
+              "aggregate": "aggregate", "unit_conversion": "convert", **services.ID_PREFIX}
 
 # -- the database -----------------------------------------------------------------------------------
 
@@ -313,7 +320,7 @@ def held_out_fragments(split: str) -> tuple[str, ...]:
     fragment."""
     extra = (*AGGREGATE_TEST, *CONVERT_TEST) if split == "test" else ()
     phrasings = [p for *_, p in (*CALC[split], *LOOKUP[split], *CHAIN[split], *MISSING[split], *extra)]
-    return tuple(max(_fragments(p), key=len) for p in (*phrasings, *SCOPE[split]))
+    return tuple(max(_fragments(p), key=len) for p in (*phrasings, *SCOPE[split], *services.phrasings(split)))
 
 
 def test_only_fragments() -> tuple[str, ...]:
@@ -426,9 +433,11 @@ class _Generator:
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
+        self.services = services.ServiceTasks(seed)
         self.seen: set[str] = set()
         self.tasks: dict[str, list[Task]] = {}
         self.plans: dict[str, Plan] = {}
+        self.alternatives: dict[str, tuple[str, ...]] = {}
 
     def run(self) -> None:
         for split in ("train", "validation", "test"):
@@ -439,6 +448,8 @@ class _Generator:
             self.tasks[split] = tasks
 
     def _task(self, split: str, family: str, i: int) -> Task:
+        if family in services.FAMILIES:
+            return self._service_task(split, family, i)
         fault = None
         for _ in range(1000):
             if family == "recovery":
@@ -462,6 +473,21 @@ class _Generator:
         self.plans[task_id] = plan
         return Task(id=task_id, suite="tools", family=family, split=split, prompt=prompt, tools=tools,
                     expected=expected, fault=fault)
+
+    def _service_task(self, split: str, family: str, i: int) -> Task:
+        for _ in range(1000):
+            drawn = self.services.draw(family, split, i)
+            if drawn.prompt not in self.seen:
+                break
+        else:  # pragma: no cover - the pools are far larger than the sizes
+            raise RuntimeError(f"could not draw a fresh {family} prompt for {split}")
+        self.seen.add(drawn.prompt)
+        task_id = f"tools/{split}/{_ID_PREFIX[family]}-{i:03d}"
+        self.plans[task_id] = drawn.plan
+        if drawn.alternatives:
+            self.alternatives[task_id] = drawn.alternatives
+        return Task(id=task_id, suite="tools", family=family, split=split, prompt=drawn.prompt, tools=drawn.tools,
+                    expected=drawn.expected, fault=drawn.fault)
 
     def _draft(self, family: str, split: str, i: int) -> Draft:
         return getattr(self, f"_{family}")(split, i)
@@ -646,13 +672,17 @@ class ToolsSuite(Suite):
         return ToolsSettings(sql_database=str(self.db_path))
 
     def alternatives(self, task: Task) -> tuple[str, ...]:
-        # A department or a city: every department and city, so a reply listing them all fails.
-        return _VALUES if isinstance(task.expected, str) else ()
+        # A department or a city: every department and city; a service field: its enum's values. A reply listing
+        # them all fails.
+        if not isinstance(task.expected, str):
+            return ()
+        return self._generate().alternatives.get(task.id, _VALUES)
 
     def registry(self) -> ToolRegistry:
         if self._registry is None:
             settings = self.settings()
-            self._registry = ToolRegistry([calculator.build(settings), sql_query.build(settings), CONVERT_UNITS])
+            self._registry = ToolRegistry([calculator.build(settings), sql_query.build(settings), CONVERT_UNITS,
+                                           *self._generate().services.tools()])
         return self._registry
 
     def ensure_database(self) -> Path:
@@ -685,6 +715,6 @@ class ToolsSuite(Suite):
         self.check_split(split)
         if split == "test":
             banks = (CALC_TEST, LOOKUP_TEST, CHAIN_TEST, MISSING_TEST, AGGREGATE_TEST, CONVERT_TEST)
-            return [p for bank in banks for *_, p in bank] + list(SCOPE_TEST)
-        banks = (CALC_SEEN, LOOKUP_SEEN, CHAIN_SEEN, MISSING_SEEN)
-        return [p for bank in banks for *_, p in bank] + list(SCOPE_SEEN)
+            return [p for bank in banks for *_, p in bank] + list(SCOPE_TEST) + services.phrasings(split)
+        banks = (CALC[split], LOOKUP[split], CHAIN[split], MISSING[split])
+        return [p for bank in banks for *_, p in bank] + list(SCOPE[split]) + services.phrasings(split)

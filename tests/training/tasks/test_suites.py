@@ -19,6 +19,7 @@ from tools.executor import execute
 from tools.registry import tool
 from training.tasks import SPLITS, SUITES, Fault, Task, get_suite
 from training.tasks.base import check_final, fault_outcome, numbers_in
+from training.tasks.services import DOMAINS, UNSEEN_DOMAINS
 from training.tasks.tools_suite import (
     EMPLOYEES,
     SIZES,
@@ -34,7 +35,7 @@ from training.tasks.tools_suite import (
     held_out_fragments,
 )
 
-DOCUMENTED_SIZES = {"train": 240, "validation": 31, "test": 41}
+DOCUMENTED_SIZES = {"train": 344, "validation": 44, "test": 63}
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +85,10 @@ def test_splits_are_deterministic_sized_and_well_formed(suite: ToolsSuite, tmp_p
         assert {f: sum(t.family == f for t in tasks) for f in SIZES[split]} == SIZES[split]
         for t in tasks:
             assert t.split == split and t.suite == "tools"
-            assert re.fullmatch(rf"tools/{split}/[a-z]+-\d{{3}}", t.id)
+            assert re.fullmatch(rf"tools/{split}/[a-z-]+-\d{{3}}", t.id)
             assert t.tools and all(name in registry for name in t.tools)
-            assert (t.expected is None) == (t.family == "cannot")
-            assert (t.fault is not None) == (t.family == "recovery")
+            assert (t.expected is None) == (t.family in ("cannot", "service_decline"))
+            assert (t.fault is not None) == (t.family in ("recovery", "service_recovery"))
             if t.fault is not None:
                 assert t.fault.tool in t.tools and t.fault.call == 1
             ids.add(t.id)
@@ -102,9 +103,12 @@ def test_recovery_covers_every_fault_kind_and_tool(suite: ToolsSuite) -> None:
     for split in SPLITS:
         faults = [t.fault for t in suite.tasks(split) if t.fault is not None]
         assert {f.kind for f in faults} == {"timeout", "empty", "error"}
-    train = [t.fault for t in suite.tasks("train") if t.fault is not None]
-    assert {(f.tool, f.kind) for f in train} == {(tool_, kind) for tool_ in ("sql_query", "calculator")
-                                                  for kind in ("timeout", "empty", "error")}
+    train = [t for t in suite.tasks("train") if t.fault is not None]
+    assert {(t.fault.tool, t.fault.kind) for t in train if t.family == "recovery"} == {
+        (tool_, kind) for tool_ in ("sql_query", "calculator") for kind in ("timeout", "empty", "error")}
+    service = [t.fault for t in train if t.family == "service_recovery"]
+    assert {f.kind for f in service} == {"timeout", "empty", "error"}
+    assert len({f.tool for f in service}) >= 6  # the faults hit generated tools of several domains
 
 
 # -- leakage --------------------------------------------------------------------------------------
@@ -112,7 +116,8 @@ def test_recovery_covers_every_fault_kind_and_tool(suite: ToolsSuite) -> None:
 
 def test_markers_name_the_test_only_tool_families_and_prompts(suite: ToolsSuite) -> None:
     markers = tasks_pkg.test_only_markers(suite)
-    assert markers["tools"] == [TEST_TOOL] == ["convert_units"]
+    assert markers["tools"] == sorted([TEST_TOOL, *(t for d in DOMAINS if d.name in UNSEEN_DOMAINS for t in d.tools)])
+    assert len(markers["tools"]) >= 4  # the unit converter and at least three generated tools
     assert markers["families"] == sorted(TEST_FAMILIES)
     assert markers["prompts"] == [t.prompt for t in suite.tasks("test")]
     # Every test prompt is written in a test-only phrasing.
@@ -206,8 +211,12 @@ def test_recovery_demonstrations_show_the_fault_then_a_retry(suite: ToolsSuite,
         assert messages[at + 1]["content"] == expected_output
         retry = messages[at + 2]["tool_calls"][0]["function"]
         assert retry["name"] == t.fault.tool
-        # A retry is written a little differently: the agent loop refuses the same call twice in a row.
-        assert json.loads(retry["arguments"]) != json.loads(messages[at]["tool_calls"][0]["function"]["arguments"])
+        # A retry of the built-in tools is written a little differently (valid even were the same call twice in a
+        # row refused); a generated tool has no second way to write its call, and the agent loop lets a failed
+        # call be repeated as it was (the replay test below runs such a retry through it).
+        if t.family != "service_recovery":
+            first = json.loads(messages[at]["tool_calls"][0]["function"]["arguments"])
+            assert json.loads(retry["arguments"]) != first
         assert messages[at + 3]["content"] != expected_output and messages[at + 3]["content"].strip()
 
 
@@ -337,7 +346,7 @@ def _pick(suite: ToolsSuite) -> list[Task]:
     """One task of each family and split, plus one recovery task per fault kind."""
     picked: dict[tuple[str, str], Task] = {}
     for t in suite.all_tasks():
-        key = (t.split, t.family if t.fault is None else f"recovery-{t.fault.kind}")
+        key = (t.split, t.family, t.fault.kind if t.fault else None)
         picked.setdefault(key, t)
     return list(picked.values())
 
