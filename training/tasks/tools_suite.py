@@ -1,4 +1,5 @@
-"""The "tools" suite: short tool-use tasks over a calculator, a small SQLite database and a unit converter.
+"""The "tools" suite: short tool-use tasks over a calculator, a small SQLite database, a unit converter and
+generated service tools.
 
 Families (see README.md for sizes and the reasons behind the held-out parts):
 
@@ -10,8 +11,11 @@ Families (see README.md for sizes and the reasons behind the held-out parts):
   a fact the database does not hold, a question no tool can answer);
 - ``recovery``: a calculator, sql_lookup or chain task whose first call of one tool fails (timeout,
   empty result or error); success needs a retry;
-- test only: ``aggregate`` (SUM/AVG/MAX/MIN/COUNT over the database) and ``unit_conversion`` (the
-  ``convert_units`` tool, offered in no other split).
+- the service families (``services.py``): look-ups, searches, quotes, chains, recovery and decline tasks over
+  24 tools generated from eight domain templates;
+- test only: ``aggregate`` (SUM/AVG/MAX/MIN/COUNT over the database), ``unit_conversion`` (the
+  ``convert_units`` tool, offered in no other split) and ``unseen_service`` (two domains' six tools, offered in
+  no other split).
 
 Test prompts use their own phrasings and their own employees and products (present in the database,
 never asked about in train or validation), so a model cannot pass by recalling training answers; validation
