@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 import training.tasks as tasks_pkg
 from gateway.agent.validation import check_call
@@ -31,19 +28,6 @@ from training.tasks.services import (
 from training.tasks.tools_suite import ToolsSuite
 
 GENERAL_PROMPTS = Path(__file__).resolve().parents[3] / "training" / "general_prompts.jsonl"
-
-
-@pytest.fixture(scope="module")
-def suite(tmp_path_factory: pytest.TempPathFactory) -> ToolsSuite:
-    return ToolsSuite(tmp_path_factory.mktemp("tasks"))
-
-
-@pytest.fixture(scope="module")
-def demos(suite: ToolsSuite) -> dict[str, list[dict[str, Any]]]:
-    async def solve_all() -> dict[str, list[dict[str, Any]]]:
-        return {t.id: await suite.solve(t) for t in suite.all_tasks() if t.family in FAMILIES}
-
-    return asyncio.run(solve_all())
 
 
 def _properties(schema: dict[str, Any]) -> list[dict[str, Any]]:
@@ -157,7 +141,7 @@ def test_unseen_tools_appear_in_no_training_row(suite: ToolsSuite, demos: dict[s
     assert {name for t in tested for m in demos[t.id] for c in m.get("tool_calls") or []
             for name in [c["function"]["name"]]} >= set(unseen) - {"calculator"}
     seen = [t for split in ("train", "validation") for t in suite.tasks(split)]
-    seen_text = "\n".join([t.prompt for t in seen] + [json.dumps(demos[t.id]) for t in seen if t.id in demos])
+    seen_text = "\n".join([t.prompt for t in seen] + [json.dumps(demos[t.id]) for t in seen])
     general = GENERAL_PROMPTS.read_text(encoding="utf-8")
     for name in unseen:
         assert name not in seen_text and name not in general
@@ -176,5 +160,5 @@ def test_the_leak_filter_covers_prompts_tools_and_phrasings(suite: ToolsSuite,
     phrasing = PHRASINGS["lookup"]["test"][0].format(field="fare", ref="flight ZZ999")
     assert phrasing not in markers["prompts"] and leaks(phrasing)
     # Nothing a training run is meant to learn from is dropped: every train demonstration and every general row.
-    assert not any(leaks(t.prompt + json.dumps(demos[t.id])) for t in suite.tasks("train") if t.id in demos)
+    assert not any(leaks(t.prompt + json.dumps(demos[t.id])) for t in suite.tasks("train"))
     assert not any(leaks(line) for line in GENERAL_PROMPTS.read_text(encoding="utf-8").splitlines())

@@ -38,21 +38,6 @@ from training.tasks.tools_suite import (
 DOCUMENTED_SIZES = {"train": 344, "validation": 44, "test": 63}
 
 
-@pytest.fixture(scope="module")
-def suite(tmp_path_factory: pytest.TempPathFactory) -> ToolsSuite:
-    return ToolsSuite(tmp_path_factory.mktemp("tasks"))
-
-
-@pytest.fixture(scope="module")
-def demos(suite: ToolsSuite) -> dict[str, list[dict[str, Any]]]:
-    """Every task's demonstration, solved once for the module."""
-
-    async def solve_all() -> dict[str, list[dict[str, Any]]]:
-        return {t.id: await suite.solve(t) for t in suite.all_tasks()}
-
-    return asyncio.run(solve_all())
-
-
 def _seen(suite: ToolsSuite) -> list[Task]:
     return suite.tasks("train") + suite.tasks("validation")
 
