@@ -80,8 +80,25 @@ def check_call(call_id: str, name: str, raw_arguments: Any, schemas: Mapping[str
     if arguments is None:
         return CheckedCall(call_id, name, raw, None, False, repaired,
                            f"arguments: not a JSON object: {raw[:200]!r}")
-    errors = schema_errors(schemas[name], arguments)
+    errors = [*_wide_integers(arguments, "arguments"), *schema_errors(schemas[name], arguments)]
     return CheckedCall(call_id, name, raw, arguments, True, repaired, "; ".join(errors) if errors else None)
+
+
+# JSON allows integers of any size; what stores, hashes and sends the arguments on (orjson, SQLite) takes 64 bits.
+_SMALLEST, _LARGEST = -(2 ** 63), 2 ** 64 - 1
+
+
+def _wide_integers(value: Any, path: str) -> list[str]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [] if _SMALLEST <= value <= _LARGEST else [f"{path}: the integer {str(value)[:24]}... does not fit in "
+                                                          "64 bits"]
+    if isinstance(value, dict):
+        return [e for key, item in value.items() for e in _wide_integers(item, f"{path}.{key}")]
+    if isinstance(value, list):
+        return [e for i, item in enumerate(value) for e in _wide_integers(item, f"{path}[{i}]")]
+    return []
 
 
 def function_schemas(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any] | None]:

@@ -55,6 +55,20 @@ async def test_invalid_arguments_then_corrected(store) -> None:
     assert state.status == "completed" and state.invalid_tool_calls == 1 and state.tool_calls == 2
 
 
+async def test_an_integer_wider_than_64_bits_is_an_invalid_call_not_a_crash(store) -> None:
+    # JSON allows it and "broken" takes any object, but the store and the repeat guard take 64-bit integers.
+    wide = "1" + "0" * 30
+    state, _, box = await run_agent(store, [call("broken", f'{{"n": {wide}, "items": [1, -{wide}]}}'),
+                                            call("get_weather", {"city": "Paris"}), "21 °C"])
+    first = _tool_messages(state)[0]["content"]
+    assert "arguments.n: the integer 100000000000000000000000... does not fit in 64 bits" in first
+    assert "arguments.items[1]: the integer -10000000000000000000000... does not fit in 64 bits" in first
+    assert box.ran == [("get_weather", {"city": "Paris"})]
+    assert state.status == "completed" and state.invalid_tool_calls == 1
+    rows = await store.get_trajectory(state.run_id, all_tenants=True)
+    assert rows.status == "completed" and len(rows.calls) == 3
+
+
 async def test_unknown_tool(store) -> None:
     state, _, box = await run_agent(store, [call("launch_rockets", {}), "ok"])
     assert "Unknown tool 'launch_rockets'" in _tool_messages(state)[0]["content"]
