@@ -1,7 +1,8 @@
 """Replay-train: what the training code costs.
 
-    python bench/training.py [--section sft|eval] [--tiny] [--batch 4] [--seq-len 256] [--steps 6] [--warmup 2]
-                             [--repeats 2] [--rank 16] [--episodes 16] [--concurrency 8]
+    python bench/training.py [--section sft|memory|eval] [--tiny] [--batch 4] [--seq-len 256] [--steps 6]
+                             [--warmup 2] [--repeats 2] [--rank 16] [--mem-batch 4] [--mem-seq-len 768]
+                             [--episodes 16] [--concurrency 8]
                              [--model-path PATH] [--threads T]
 
 Sections (``--section``, repeatable; default all):
@@ -15,6 +16,11 @@ Sections (``--section``, repeatable; default all):
   each figure is the best of ``--repeats`` runs, alternating the two. Target: ratio at least 0.8.
   Default model: the embedded SmolLM2-135M (from its cache); ``--tiny`` uses a tiny random Llama instead,
   for a quick check of the script.
+
+- ``memory``: peak RSS and training tokens per second of ``train_sft`` with gradient checkpointing on (the
+  default) and off, each run in a fresh process (``--mem-batch`` rows of ``--mem-seq-len`` tokens, ``--steps``
+  steps after ``--warmup``), the two alternating ``--repeats`` times; the median of each. Target: replay-train
+  under 4 GB, so training's own peak well under it.
 
 - ``eval``: evaluation throughput: episodes (and model calls) per minute of the tools suite's validation tasks
   through the agent loop on the base model, one episode at a time against ``--concurrency`` at once.
@@ -31,6 +37,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -130,6 +137,51 @@ def section_sft(args: argparse.Namespace) -> None:
     print(f"ratio training.sft / bare: {ratio:.3f} (target >= 0.8: {'PASS' if ratio >= 0.8 else 'FAIL'})")
 
 
+def _memory_run(args: argparse.Namespace, checkpointing: bool, results: Any) -> None:
+    """In a fresh process: train ``--steps`` + ``--warmup`` steps; (tokens/s of the measured steps, peak RSS MiB)."""
+    import resource
+
+    rows = bench_rows(args.mem_batch, args.mem_seq_len, len(load_tokenizer(args.model_path)))
+    config = SFTConfig(rank=args.rank, alpha=2.0 * args.rank, batch_size=args.mem_batch, epochs=1.0, checkpoints=1,
+                       log_every=1, learning_rate=1e-4, max_seq_len=args.mem_seq_len,
+                       gradient_checkpointing=checkpointing)
+    steps = args.warmup + args.steps
+    with tempfile.TemporaryDirectory() as out:
+        train_sft(args.model_path, rows * steps, config, Path(out))
+        lines = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    tokens = sum(len(r.input_ids) for r in rows)
+    measured = sum(tokens / line["tokens_per_second"] for line in lines[args.warmup:])
+    results.put((tokens * args.steps / measured, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+
+
+def section_memory(args: argparse.Namespace) -> None:
+    import multiprocessing
+    import statistics
+
+    if args.tiny and not args.model_path:
+        args.model_path = str(tiny_llama(Path(tempfile.mkdtemp(prefix="bench-tiny-")), load_tokenizer()))
+    context = multiprocessing.get_context("spawn")
+    figures: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for _ in range(args.repeats):
+        for checkpointing in (True, False):
+            results = context.Queue()
+            process = context.Process(target=_memory_run, args=(args, checkpointing, results))
+            process.start()
+            figures[checkpointing].append(results.get())
+            process.join()
+    model = "tiny random Llama" if args.tiny else (args.model_path or "embedded SmolLM2-135M")
+    print(f"\nmemory: {model}; train_sft on {args.mem_batch} rows x {args.mem_seq_len} tokens, LoRA rank {args.rank}, "
+          f"{args.steps} steps after {args.warmup}; median of {args.repeats} fresh processes each")
+    print(f"{'gradient checkpointing':<24}{'tokens/s':>10}{'peak RSS MiB':>14}")
+    median = {k: (statistics.median(t for t, _ in v), statistics.median(m for _, m in v))
+              for k, v in figures.items()}
+    for checkpointing in (True, False):
+        speed, peak = median[checkpointing]
+        print(f"{'on' if checkpointing else 'off':<24}{speed:>10.1f}{peak:>14.0f}")
+    print(f"ratio on / off: tokens/s {median[True][0] / median[False][0]:.2f}, "
+          f"peak RSS {median[True][1] / median[False][1]:.2f}")
+
+
 def section_eval(args: argparse.Namespace) -> None:
     """Episodes per minute of the suite through the agent loop on the base model: ``--episodes`` tasks of the
     validation split, run one at a time and ``--concurrency`` at a time (the backend batches their calls)."""
@@ -164,6 +216,7 @@ def section_eval(args: argparse.Namespace) -> None:
 # Sections run in this order.
 SECTIONS: dict[str, sections.Section] = {
     "sft": section_sft,
+    "memory": section_memory,
     "eval": section_eval,
 }
 
@@ -178,6 +231,9 @@ def main(argv: list[str] | None = None) -> None:
     sft.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (default 2)")
     sft.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16, alpha 2x rank)")
     sft.add_argument("--repeats", type=int, default=2, help="runs per figure; the best is kept")
+    memory = parser.add_argument_group("memory")
+    memory.add_argument("--mem-batch", type=int, default=4, help="rows per step (default 4, as the README's run)")
+    memory.add_argument("--mem-seq-len", type=int, default=768, help="tokens per row (default 768)")
     evaluation = parser.add_argument_group("eval")
     evaluation.add_argument("--episodes", type=int, default=16, help="validation tasks run (default 16)")
     evaluation.add_argument("--concurrency", type=int, default=8, help="episodes at once (default 8)")

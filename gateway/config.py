@@ -200,6 +200,9 @@ class TrainingSettings(Section):
     epochs: float = Field(2.0, gt=0, description="Passes over the training rows.")
     batch_size: int = Field(8, gt=0, description="Rows per micro-batch.")
     grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
+    gradient_checkpointing: bool = Field(True, description="Recompute each layer's activations during the backward "
+                                         "pass instead of keeping them: about a third more compute for a fraction "
+                                         "of the memory (SFT and RL).")
     max_seq_len: int = Field(1024, gt=0, description="Rows longer than this are cut from the left of the prompt.")
     tool_rendering: Rendering = Field(DEFAULT_RENDERING, description="How tool specs are written into training "
                                       "prompts ('hermes' or 'compact', as [[backends]] tool_rendering); recorded "

@@ -53,7 +53,7 @@ from gateway.config import RLSettings
 from gateway.prompting import Rendering
 from training.metrics import rank
 from training.plots import plot_rl
-from training.sft import SFTConfig, append_jsonl, seed_everything, wrap_lora
+from training.sft import SFTConfig, append_jsonl, seed_everything, train_mode, wrap_lora
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -354,7 +354,7 @@ def train_rl(loaded: LoadedModel, config: RLConfig, out_dir: Path, *, steps: int
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = _policy(loaded, config, init_adapter).to(device)
-    model.train()
+    train_mode(model, config.lora.gradient_checkpointing)
     # Rollouts serve each checkpoint with the rendering its folder records: the one the policy started from.
     rendering = (read_rendering(init_adapter) if init_adapter else None) or config.lora.rendering
     params = [p for p in model.parameters() if p.requires_grad]

@@ -17,8 +17,9 @@ The algorithm:
    local backend, SGLang and vLLM all load), each optionally validated by the caller; ``metrics.jsonl`` every
    ``log_every`` steps and at each checkpoint; ``loss.png`` at the end.
 
-CUDA runs with bf16 autocast over float32 weights; CPU runs in float32. Simplifications: no packing of rows
-into one sequence, no gradient checkpointing (the models this trains are small), one device.
+CUDA runs with bf16 autocast over float32 weights; CPU runs in float32. Gradient checkpointing is on by default
+(``gradient_checkpointing``): a batch of long rows keeps ~1 MB of activations per token otherwise. Simplifications:
+no packing of rows into one sequence, one device.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class SFTConfig:
     epochs: float = 2.0
     batch_size: int = 8
     grad_accum: int = 1
+    gradient_checkpointing: bool = True  # keep only each layer's input for the backward pass; recompute the rest
     max_seq_len: int = 1024
     checkpoints: int = 3
     seed: int = 0
@@ -84,7 +86,8 @@ class SFTConfig:
         fields = dict(base_model=training.base_model, rank=training.rank, alpha=training.alpha,
                       dropout=training.dropout, target_modules=list(training.target_modules),
                       learning_rate=training.learning_rate, epochs=training.epochs, batch_size=training.batch_size,
-                      grad_accum=training.grad_accum, max_seq_len=training.max_seq_len,
+                      grad_accum=training.grad_accum, gradient_checkpointing=training.gradient_checkpointing,
+                      max_seq_len=training.max_seq_len,
                       checkpoints=training.checkpoints, seed=training.seed, rendering=training.tool_rendering)
         return cls(**{**fields, **overrides})
 
@@ -172,6 +175,15 @@ def wrap_lora(model: torch.nn.Module, config: SFTConfig) -> PeftModel:
     return peft_model
 
 
+def train_mode(model: torch.nn.Module, gradient_checkpointing: bool) -> None:
+    """Training mode; with ``gradient_checkpointing`` each decoder layer keeps only its input for the backward pass
+    (the activations of a batch of long rows are most of the memory training takes)."""
+    model.train()
+    if gradient_checkpointing:
+        # Non-reentrant: gradients reach the LoRA weights although the frozen embeddings' outputs need none.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def train_sft(base_model_path: str | None, examples: list[Example], config: SFTConfig, out_dir: Path, *,
               validate: Validate | None = None, on_checkpoint: OnCheckpoint | None = None,
               loaded: LoadedModel | None = None) -> SFTResult:
@@ -191,7 +203,7 @@ def train_sft(base_model_path: str | None, examples: list[Example], config: SFTC
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = wrap_lora(loaded.model, config).to(device)
-    model.train()
+    train_mode(model, config.gradient_checkpointing)
 
     plan = plan_batches(examples, config.batch_size, config.epochs, config.seed, config.bucket_batches)
     steps = math.ceil(len(plan) / config.grad_accum)

@@ -145,6 +145,21 @@ def test_sft_is_deterministic_with_a_seed(tiny_model_dir: Path, examples: list[E
     assert other.losses != one.losses
 
 
+def test_gradient_checkpointing_trains_the_same_adapter(tiny_model_dir: Path, examples: list[Example],
+                                                         tmp_path: Path) -> None:
+    # Recomputing the activations in the backward pass changes the memory, not the update.
+    kept = train_sft(str(tiny_model_dir), examples, tiny_config(epochs=1.0, checkpoints=1,
+                                                                gradient_checkpointing=False), tmp_path / "kept")
+    recomputed = train_sft(str(tiny_model_dir), examples, tiny_config(epochs=1.0, checkpoints=1), tmp_path / "re")
+    assert recomputed.model is not None and recomputed.model.base_model.model.is_gradient_checkpointing
+    assert kept.model is not None and not kept.model.base_model.model.is_gradient_checkpointing
+    assert recomputed.losses == pytest.approx(kept.losses, rel=1e-5)
+    a = load_file(kept.checkpoints[-1] / "adapter_model.safetensors")
+    b = load_file(recomputed.checkpoints[-1] / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    assert any(not torch.equal(a[k], torch.zeros_like(a[k])) for k in a if "lora_B" in k)  # it did train
+
+
 def test_grad_accumulation_weighs_by_label_tokens(tiny_model_dir: Path, examples: list[Example],
                                                   tmp_path: Path) -> None:
     # One step of 4 rows in one batch, and the same 4 rows as 2 accumulated batches of 2: the same update.
