@@ -18,7 +18,8 @@ Sections (``--section``, repeatable; default all):
   for a quick check of the script.
 
 - ``memory``: peak RSS and training tokens per second of ``train_sft`` with gradient checkpointing on (the
-  default) and off, each run in a fresh process (``--mem-batch`` rows of ``--mem-seq-len`` tokens, ``--steps``
+  default) and off, each run in a fresh process (``--mem-batch`` rows of ``--mem-seq-len`` tokens, the last
+  ``--mem-labelled`` labelled, ``--steps``
   steps after ``--warmup``), the two alternating ``--repeats`` times; the median of each. Target: replay-train
   under 4 GB, so training's own peak well under it.
 
@@ -60,13 +61,14 @@ class Figure:
     step_seconds: float
 
 
-def bench_rows(batch: int, seq_len: int, vocab: int) -> list[Example]:
+def bench_rows(batch: int, seq_len: int, vocab: int, labelled: int | None = None) -> list[Example]:
+    """Random rows of ``seq_len`` tokens, the last ``labelled`` of them labelled (default: the second half)."""
     generator = torch.Generator().manual_seed(0)
     rows = []
     for _ in range(batch):
         ids = torch.randint(100, vocab, (seq_len,), generator=generator).tolist()
-        half = seq_len // 2
-        rows.append(Example(input_ids=ids, labels=[IGNORE] * half + ids[half:]))
+        prompt = seq_len - (seq_len // 2 if labelled is None else labelled)
+        rows.append(Example(input_ids=ids, labels=[IGNORE] * prompt + ids[prompt:]))
     return rows
 
 
@@ -141,7 +143,7 @@ def _memory_run(args: argparse.Namespace, checkpointing: bool, results: Any) -> 
     """In a fresh process: train ``--steps`` + ``--warmup`` steps; (tokens/s of the measured steps, peak RSS MiB)."""
     import resource
 
-    rows = bench_rows(args.mem_batch, args.mem_seq_len, len(load_tokenizer(args.model_path)))
+    rows = bench_rows(args.mem_batch, args.mem_seq_len, len(load_tokenizer(args.model_path)), args.mem_labelled)
     config = SFTConfig(rank=args.rank, alpha=2.0 * args.rank, batch_size=args.mem_batch, epochs=1.0, checkpoints=1,
                        log_every=1, learning_rate=1e-4, max_seq_len=args.mem_seq_len,
                        gradient_checkpointing=checkpointing)
@@ -170,7 +172,8 @@ def section_memory(args: argparse.Namespace) -> None:
             figures[checkpointing].append(results.get())
             process.join()
     model = "tiny random Llama" if args.tiny else (args.model_path or "embedded SmolLM2-135M")
-    print(f"\nmemory: {model}; train_sft on {args.mem_batch} rows x {args.mem_seq_len} tokens, LoRA rank {args.rank}, "
+    print(f"\nmemory: {model}; train_sft on {args.mem_batch} rows x {args.mem_seq_len} tokens ({args.mem_labelled} "
+          f"labelled), LoRA rank {args.rank}, "
           f"{args.steps} steps after {args.warmup}; median of {args.repeats} fresh processes each")
     print(f"{'gradient checkpointing':<24}{'tokens/s':>10}{'peak RSS MiB':>14}")
     median = {k: (statistics.median(t for t, _ in v), statistics.median(m for _, m in v))
@@ -234,6 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     memory = parser.add_argument_group("memory")
     memory.add_argument("--mem-batch", type=int, default=4, help="rows per step (default 4, as the README's run)")
     memory.add_argument("--mem-seq-len", type=int, default=768, help="tokens per row (default 768)")
+    memory.add_argument("--mem-labelled", type=int, default=96, help="labelled tokens per row, at its end (default "
+                        "96: a replay row is mostly prompt)")
     evaluation = parser.add_argument_group("eval")
     evaluation.add_argument("--episodes", type=int, default=16, help="validation tasks run (default 16)")
     evaluation.add_argument("--concurrency", type=int, default=8, help="episodes at once (default 8)")
