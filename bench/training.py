@@ -119,8 +119,9 @@ def section_sft(args: argparse.Namespace) -> None:
     vocab = len(load_tokenizer(args.model_path))
     rows = bench_rows(args.batch, args.seq_len, vocab)
     # One batch a step, every step the same shape; a checkpoint only at the end (outside the timing).
+    # Without gradient checkpointing, as the bare loop: the same work (what checkpointing costs is ``memory``'s).
     config = SFTConfig(rank=args.rank, alpha=2.0 * args.rank, batch_size=args.batch, epochs=1.0, checkpoints=1,
-                       log_every=1, learning_rate=1e-4, max_seq_len=args.seq_len)
+                       log_every=1, learning_rate=1e-4, max_seq_len=args.seq_len, gradient_checkpointing=False)
     best: dict[str, Figure] = {}
     for _ in range(args.repeats):
         for run in (bare_peft_loop, sft_loop):

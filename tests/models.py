@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-TINY_CONTEXT = 512
+TINY_CONTEXT = 1024  # the longest prompt of the tools suite (hermes rendering, four tools) is under 800 tokens
 
 
 def tiny_llama(folder: Path, tokenizer: PreTrainedTokenizerBase) -> Path:
