@@ -26,7 +26,7 @@ from gateway.backends.base import Backend, ChatRequest, ChatResult
 from gateway.backends.local import LocalBackend
 from gateway.config import BackendSettings, TrainingSettings
 from replay.records import new_id
-from training.metrics import METRICS, Episode, format_value, metrics_of
+from training.metrics import METRICS, Episode, format_value, metrics_of, success_interval
 from training.tasks import Suite, Task, get_suite, test_only_markers
 
 log = structlog.get_logger()
@@ -178,6 +178,9 @@ def report_table(reports: list[Report], title: str) -> Table:
         table.add_column(report.model, justify="right")
     for metric in METRICS:
         table.add_row(metric, *(format_value(metric, r.metrics.get(metric)) for r in reports))
+        if metric == "success_rate":  # how far the rate may be from the true one, on this many tasks
+            intervals = [success_interval(r.episodes) for r in reports]
+            table.add_row("  95% interval", *("-" if i is None else f"{i[0]:.0%}–{i[1]:.0%}" for i in intervals))
     table.add_row("episodes", *(str(len(r.episodes)) for r in reports))
     table.add_row("seconds", *(f"{r.seconds:.0f}" for r in reports))
     return table

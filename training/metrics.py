@@ -17,6 +17,7 @@ Metrics (each in [0, 1] except ``mean_steps`` and ``general_perplexity``):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 METRICS = ("success_rate", "mean_steps", "valid_call_rate", "invalid_call_rate", "recovery_rate",
@@ -57,6 +58,22 @@ def metrics_of(episodes: list[Episode]) -> dict[str, float | None]:
         "recovery_rate": share([e.success for e in episodes if e.faulted]),
         "unseen_tool_success_rate": share([e.success for e in episodes if e.unseen_tools]),
     }
+
+
+def wilson_interval(successes: int, trials: int, z: float = 1.959964) -> tuple[float, float]:
+    """The Wilson score interval of a success rate (``z`` 1.96: two-sided 95%). Unlike the normal approximation it
+    stays inside [0, 1] and is not empty at 0 or n successes, which small evaluations often give."""
+    if trials <= 0:
+        return 0.0, 1.0
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def success_interval(episodes: list[Episode]) -> tuple[float, float] | None:
+    """The 95% interval of the success rate the episodes estimate (None without episodes)."""
+    return wilson_interval(sum(e.success for e in episodes), len(episodes)) if episodes else None
 
 
 def rank(metrics: dict[str, float | None]) -> tuple[float, float, float]:

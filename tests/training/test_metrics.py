@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from training.metrics import Episode, format_value, metrics_of
+import pytest
+
+from training.metrics import Episode, format_value, metrics_of, success_interval, wilson_interval
 
 
 def episode(success: bool, steps: int, calls: int, invalid: int, *, family: str = "calculator",
@@ -43,3 +45,15 @@ def test_values_format_for_people() -> None:
     assert format_value("success_rate", 0.456) == "46%"
     assert format_value("mean_steps", 2.0) == "2.00"
     assert format_value("recovery_rate", None) == "-"
+
+
+def test_the_success_interval_is_wilsons() -> None:
+    # Reference values of the 95% Wilson score interval.
+    assert wilson_interval(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+    assert wilson_interval(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert wilson_interval(10, 10) == pytest.approx((0.7225, 1.0), abs=1e-4)
+    low, high = wilson_interval(6, 63)  # the README's candidate: 10% of 63 test tasks
+    assert low < 6 / 63 < high and high - low > 0.12  # 63 tasks cannot tell 10% from 20%
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    episodes = [episode(i < 3, 2, 1, 0) for i in range(12)]
+    assert success_interval(episodes) == wilson_interval(3, 12) and success_interval([]) is None
