@@ -51,7 +51,7 @@ from training.metrics import rank
 from training.rl import Group, RLConfig, similar_batches, train_rl
 from training.rollouts import Rollouts, groups_from_store
 from training.sft import SFTConfig, load_base, train_sft
-from training.tasks import Suite, get_suite, test_only_markers
+from training.tasks import Suite, get_suite, leak_filter
 
 MODES = ("sft", "rl", "sft+rl")
 
@@ -66,15 +66,6 @@ class Outcome:
     registered: AdapterVersion | None = None
     decision: Decision | None = None
     published: bool = False
-
-
-def leak_filter(suite: Suite) -> Callable[[str], bool]:
-    """Whether a training row's text holds held-out material: a test or validation prompt, a test-only tool or a
-    test-only phrasing (validation chooses checkpoints and rolls back: trained on, it would measure recall)."""
-    markers = test_only_markers(suite)
-    needles = [*markers["prompts"], *(t.prompt for t in suite.tasks("validation")), *markers["tools"],
-               *markers["phrasings"]]
-    return lambda text: any(n in text for n in needles)
 
 
 async def replay_train(settings: Settings, filters: Filters, *, mode: str = "sft", init: str | None = None,

@@ -33,9 +33,9 @@ from training.capture import capture
 from training.evaluate import Evaluator
 from training.gate import decide
 from training.general import GeneralCheck
-from training.replay_train import leak_filter, replay_train
+from training.replay_train import replay_train
 from training.sft import SFTConfig, train_sft
-from training.tasks import get_suite, test_only_markers
+from training.tasks import get_suite, leak_filter, test_only_markers
 
 pytestmark = pytest.mark.integration
 

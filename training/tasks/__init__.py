@@ -2,8 +2,8 @@
 
 Used to evaluate a model through the real agent loop, to generate demonstrations for fine-tuning and
 to gate a trained adapter. ``get_suite("tools")`` is the tool-use suite (``tools_suite.py``);
-``test_only_markers(suite)`` names what only its test split contains, so training data can be checked
-for leaks. See README.md.
+``test_only_markers(suite)`` names what only its test split contains, and ``leak_filter(suite)`` flags training
+text that holds held-out material. See README.md.
 """
 
 from __future__ import annotations
@@ -60,7 +60,17 @@ def test_only_markers(suite: Suite) -> dict[str, list[str]]:
 
 test_only_markers.__test__ = False  # type: ignore[attr-defined]  # a helper, not a pytest test
 
+
+def leak_filter(suite: Suite) -> Callable[[str], bool]:
+    """Whether a training row's text holds held-out material: a test or validation prompt, a test-only tool or a
+    test-only phrasing (validation chooses checkpoints and rolls back: trained on, it would measure recall)."""
+    markers = test_only_markers(suite)
+    needles = [*markers["prompts"], *(t.prompt for t in suite.tasks("validation")), *markers["tools"],
+               *markers["phrasings"]]
+    return lambda text: any(n in text for n in needles)
+
+
 __all__ = [
     "SPLITS", "SUITES", "Demonstration", "Fault", "Suite", "Task", "TaskToolbox", "ToolsSuite", "check_final",
-    "fault_outcome", "format_number", "get_suite", "is_refusal", "numbers_in", "test_only_markers",
+    "fault_outcome", "format_number", "get_suite", "is_refusal", "leak_filter", "numbers_in", "test_only_markers",
 ]

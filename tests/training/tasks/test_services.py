@@ -12,8 +12,7 @@ from gateway.agent.validation import check_call
 from tools.context import ToolContext
 from tools.executor import execute
 from tools.settings import ToolsSettings
-from training.replay_train import leak_filter
-from training.tasks import SPLITS
+from training.tasks import SPLITS, leak_filter
 from training.tasks.services import (
     CURRENCIES,
     DOMAINS,
