@@ -48,6 +48,7 @@ from training.evaluate import Evaluator, report_table, write_reports
 from training.gate import Decision, decide
 from training.general import GeneralCheck
 from training.metrics import rank
+from training.references import ReferenceCache, reference_report
 from training.rl import Group, RLConfig, similar_batches, train_rl
 from training.rollouts import Rollouts, groups_from_store
 from training.sft import SFTConfig, load_base, train_sft
@@ -126,13 +127,17 @@ async def replay_train(settings: Settings, filters: Filters, *, mode: str = "sft
                                    "adapter it started from, which is the one serving now")
 
         # -- test and gate ------------------------------------------------------------------------------------
+        # The reference's report comes from the cache while its weights, the suite and the settings are the same.
+        before, cached = await reference_report(evaluator, ReferenceCache(Path(training.output_dir) / "references"),
+                                                suite, "test", reference, training, label=reference_label,
+                                                general=general.perplexity)
+        if cached:
+            stage("reference", f"{reference_label}: its test report from the cache")
         # What RL started from gets its own column when it is neither the reference nor the candidate.
-        columns = [(reference, reference_label)]
-        if "rl" in mode and start not in (None, reference, candidate):
-            columns.append((start, "before RL"))
+        columns = [(start, "before RL")] if "rl" in mode and start not in (None, reference, candidate) else []
         columns.append((candidate, f"{name} (candidate)"))
-        reports = [await evaluator.evaluate(suite.name, "test", model, general=general.perplexity, label=label)
-                   for model, label in columns]
+        reports = [before] + [await evaluator.evaluate(suite.name, "test", model, general=general.perplexity,
+                                                       label=label) for model, label in columns]
     before, after = reports[0], reports[-1]
     decision = decide(after.metrics, before.metrics, training.gate)
     outcome.decision = decision

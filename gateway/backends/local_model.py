@@ -97,7 +97,7 @@ def load_model(model_path: str | None = None, cache_dir: str | None = None) -> L
     and cached. Blocking and slow: call it off the event loop.
     """
     started = time.perf_counter()
-    path = _model_location(model_path)
+    path = model_location(model_path)
     source: Literal["gguf", "cache", "folder"]
     if path.is_dir():
         model, tokenizer = _load_folder(path)
@@ -118,7 +118,7 @@ def load_model(model_path: str | None = None, cache_dir: str | None = None) -> L
 
 def load_tokenizer(model_path: str | None = None, cache_dir: str | None = None) -> PreTrainedTokenizerBase:
     """Only the tokenizer of the model ``load_model`` would load (no weights are read)."""
-    path = _model_location(model_path)
+    path = model_location(model_path)
     if path.is_dir():
         return AutoTokenizer.from_pretrained(path)
     folder = cache_folder(path, cache_dir)
@@ -127,7 +127,8 @@ def load_tokenizer(model_path: str | None = None, cache_dir: str | None = None) 
     return _gguf_tokenizer(path)
 
 
-def _model_location(model_path: str | None) -> Path:
+def model_location(model_path: str | None) -> Path:
+    """The GGUF file or checkpoint folder ``model_path`` names (None: the embedded model's GGUF)."""
     path = Path(model_path).expanduser() if model_path else embedded_model_file()
     if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return path

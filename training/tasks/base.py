@@ -243,6 +243,7 @@ class Suite(ABC):
 
     name: str
     system_prompt: str
+    version: str = "1"  # bumped when the tools or the verifier change what an episode's outcome is
 
     @abstractmethod
     def tasks(self, split: str) -> list[Task]:

@@ -651,6 +651,7 @@ class ToolsSuite(Suite):
 
     name = "tools"
     system_prompt = SYSTEM_PROMPT
+    version = "3"  # 2: held-out validation and the strict verifier; 3: the service tools
 
     def __init__(self, data_dir: str | os.PathLike[str] | None = None, *, seed: int = SEED) -> None:
         self.data_dir = Path(data_dir if data_dir is not None else DEFAULT_DATA_DIR).expanduser()

@@ -1,0 +1,77 @@
+"""The gate's reference report: evaluated once, read back while nothing it depends on changed."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from tests.extras import skip_without
+
+skip_without("train")
+
+from gateway.config import TrainingSettings
+from tests.models import random_lora
+from training.evaluate import Evaluator
+from training.references import ReferenceCache, reference_key, reference_report
+from training.tasks import get_suite
+from training.tasks.tools_suite import ToolsSuite
+
+pytestmark = pytest.mark.integration
+
+
+def test_the_reference_is_evaluated_once_and_again_when_what_it_depends_on_changes(
+        tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = TrainingSettings(model_path=str(tiny_model_dir), tasks_dir=str(tmp_path / "tasks"), eval_max_tokens=4,
+                                eval_concurrency=16)
+    cache = ReferenceCache(tmp_path / "references")
+    suite = get_suite("tools", data_dir=settings.tasks_dir)
+    adapter = random_lora(tiny_model_dir, tmp_path / "adapter", seed=1)
+
+    async def run() -> list[tuple[str, bool, int]]:
+        outcomes = []
+        async with Evaluator(settings) as evaluator:
+            evaluated = 0
+            real = evaluator.evaluate
+
+            async def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+                nonlocal evaluated
+                evaluated += 1
+                return await real(*args, **kwargs)
+
+            evaluator.evaluate = counted  # type: ignore[method-assign]
+            for model, label in ((None, "base"), (None, "base"), (adapter, "tools@1"), (adapter, "tools@1")):
+                report, hit = await reference_report(evaluator, cache, suite, "test", model, settings, label=label)
+                assert report.model == label and len(report.episodes) == len(suite.tasks("test"))
+                outcomes.append((label, hit, evaluated))
+            first = (await reference_report(evaluator, cache, suite, "test", None, settings, label="base"))[0]
+            again = (await evaluator.evaluate("tools", "test", None)).episodes  # what the cached report stands for
+            assert [dataclasses.replace(e, run_id="") for e in first.episodes] == [
+                dataclasses.replace(e, run_id="") for e in again]
+            monkeypatch.setattr(ToolsSuite, "version", "changed")
+            outcomes.append(("base", (await reference_report(evaluator, cache, suite, "test", None, settings,
+                                                             label="base"))[1], evaluated))
+        return outcomes
+
+    assert asyncio.run(run()) == [("base", False, 1), ("base", True, 1), ("tools@1", False, 2), ("tools@1", True, 2),
+                                  ("base", False, 4)]
+    assert len(list((tmp_path / "references").glob("*.json"))) == 3
+
+
+def test_the_key_follows_the_weights_the_tasks_and_the_decoding(tmp_path: Path, tiny_model_dir: Path) -> None:
+    settings = TrainingSettings(model_path=str(tiny_model_dir), tasks_dir=str(tmp_path / "tasks"))
+    suite = get_suite("tools", data_dir=settings.tasks_dir)
+    adapter = random_lora(tiny_model_dir, tmp_path / "adapter", seed=1)
+    key = reference_key(suite, "test", adapter, settings)
+    assert key == reference_key(get_suite("tools", data_dir=settings.tasks_dir), "test", adapter, settings)
+    others = {
+        reference_key(suite, "test", None, settings),
+        reference_key(suite, "validation", adapter, settings),
+        reference_key(suite, "test", adapter, settings.model_copy(update={"eval_max_tokens": 7})),
+        reference_key(suite, "test", adapter, settings.model_copy(update={"seed": 5})),
+        reference_key(suite, "test", random_lora(tiny_model_dir, tmp_path / "other", seed=2), settings),
+        reference_key(ToolsSuite(tmp_path / "tasks", seed=1), "test", adapter, settings),
+    }
+    assert key not in others and len(others) == 6

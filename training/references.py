@@ -1,0 +1,101 @@
+"""The gate's reference, evaluated once: its test report cached under a key of everything the report depends on.
+
+Every replay-train run compares its candidate with the reference (the active adapter, else the base) on the test
+split. The reference rarely changes between runs, so its report is kept in ``<output_dir>/references/<key>.json``
+and read back while the key is the same. The key hashes
+
+- the weights: the base model's file (or folder) and, for an adapter, every file of its folder (weights, config,
+  the rendering it is served in);
+- the suite: its name and ``version`` (bumped when its tools or verifier change), and the split's task set (each
+  task's id, prompt, tools, expected value and fault);
+- the decoding: the episode limits, ``eval_max_tokens``, greedy sampling;
+- the general check: the general data it reads, its seed and ``max_seq_len``.
+
+Anything else that changes an evaluation must be added to the key, or a stale report is served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+
+import orjson
+import structlog
+
+from gateway.backends.local_model import model_location
+from gateway.config import TrainingSettings
+from training.evaluate import EPISODE_LIMITS, Evaluator, Report
+from training.general_data import GENERAL_PROMPTS
+from training.metrics import Episode
+from training.tasks import Suite
+
+log = structlog.get_logger()
+
+KEY_FORMAT = 1  # bump when the key's parts change
+
+
+def _hash_path(digest: hashlib._Hash, path: Path) -> None:
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        digest.update(f"{file.relative_to(path) if path.is_dir() else file.name}\0".encode())
+        with file.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+
+
+async def reference_report(evaluator: Evaluator, cache: ReferenceCache, suite: Suite, split: str,
+                           adapter: Path | None, settings: TrainingSettings, *, label: str,
+                           general: Callable[[str | Path | None], float] | None = None) -> tuple[Report, bool]:
+    """``adapter``'s (None: the base's) report on ``split``, from the cache when its key is there (and whether it
+    was), else evaluated and cached."""
+    key = await asyncio.to_thread(reference_key, suite, split, adapter, settings)
+    cached = await asyncio.to_thread(cache.get, key)
+    if cached is not None:
+        return dataclasses.replace(cached, model=label), True
+    report = await evaluator.evaluate(suite.name, split, adapter, general=general, label=label)
+    await asyncio.to_thread(cache.put, key, report)
+    return report, False
+
+
+def reference_key(suite: Suite, split: str, adapter: Path | None, settings: TrainingSettings) -> str:
+    """The cache key of ``adapter``'s (None: the base's) report on ``suite``'s ``split`` (see the module doc)."""
+    digest = hashlib.sha256(f"format {KEY_FORMAT}\n".encode())
+    _hash_path(digest, model_location(settings.model_path))
+    digest.update(b"\0adapter\0")
+    if adapter is not None:
+        _hash_path(digest, Path(adapter))
+    tasks = [dataclasses.asdict(t) for t in suite.tasks(split)]
+    digest.update(orjson.dumps({"suite": suite.name, "version": suite.version, "split": split, "tasks": tasks,
+                                "system_prompt": suite.system_prompt, "limits": dataclasses.asdict(EPISODE_LIMITS),
+                                "max_tokens": settings.eval_max_tokens, "temperature": 0.0,
+                                "general_seed": settings.seed, "max_seq_len": settings.max_seq_len},
+                               option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS))
+    _hash_path(digest, Path(settings.general_data) if settings.general_data else GENERAL_PROMPTS)
+    return digest.hexdigest()[:32]
+
+
+class ReferenceCache:
+    """Reports by key, as JSON files in one folder."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+
+    def get(self, key: str) -> Report | None:
+        path = self.folder / f"{key}.json"
+        if not path.is_file():
+            return None
+        data = orjson.loads(path.read_bytes())
+        data["episodes"] = [Episode(**e) for e in data["episodes"]]
+        return Report(**data)
+
+    def put(self, key: str, report: Report) -> Path:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"{key}.json"
+        partial = path.with_suffix(".tmp")
+        partial.write_bytes(report.to_json())
+        partial.replace(path)  # whole or not at all: a run killed mid-write leaves no half report
+        log.info("reference.cached", key=key, model=report.model, path=str(path))
+        return path
