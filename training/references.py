@@ -4,8 +4,9 @@ Every replay-train run compares its candidate with the reference (the active ada
 split. The reference rarely changes between runs, so its report is kept in ``<output_dir>/references/<key>.json``
 and read back while the key is the same. The key hashes
 
-- the weights: the base model's file (or folder) and, for an adapter, every file of its folder (weights, config,
-  the rendering it is served in);
+- the weights: the base model's fingerprint (``local_model.model_fingerprint``: names, sizes and head hashes, as
+  the model cache checks them) and, for an adapter, every file of its folder (weights, config, the rendering it
+  is served in);
 - the suite: its name and ``version`` (bumped when its tools or verifier change), and the split's task set (each
   task's id, prompt, tools, expected value and fault);
 - the decoding: the episode limits, ``eval_max_tokens``, greedy sampling;
@@ -25,7 +26,7 @@ from pathlib import Path
 import orjson
 import structlog
 
-from gateway.backends.local_model import model_location
+from gateway.backends.local_model import model_fingerprint
 from gateway.config import TrainingSettings
 from training.evaluate import EPISODE_LIMITS, Evaluator, Report
 from training.general_data import GENERAL_PROMPTS
@@ -37,7 +38,7 @@ log = structlog.get_logger()
 KEY_FORMAT = 1  # bump when the key's parts change
 
 
-def _hash_path(digest: hashlib._Hash, path: Path) -> None:
+def _hash_files(digest: hashlib._Hash, path: Path) -> None:
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     for file in files:
         digest.update(f"{file.relative_to(path) if path.is_dir() else file.name}\0".encode())
@@ -63,17 +64,18 @@ async def reference_report(evaluator: Evaluator, cache: ReferenceCache, suite: S
 def reference_key(suite: Suite, split: str, adapter: Path | None, settings: TrainingSettings) -> str:
     """The cache key of ``adapter``'s (None: the base's) report on ``suite``'s ``split`` (see the module doc)."""
     digest = hashlib.sha256(f"format {KEY_FORMAT}\n".encode())
-    _hash_path(digest, model_location(settings.model_path))
+    # The base is large and read at every run: its fingerprint; an adapter is small: every byte.
+    digest.update(orjson.dumps(model_fingerprint(settings.model_path), option=orjson.OPT_SORT_KEYS))
     digest.update(b"\0adapter\0")
     if adapter is not None:
-        _hash_path(digest, Path(adapter))
+        _hash_files(digest, Path(adapter))
     tasks = [dataclasses.asdict(t) for t in suite.tasks(split)]
     digest.update(orjson.dumps({"suite": suite.name, "version": suite.version, "split": split, "tasks": tasks,
                                 "system_prompt": suite.system_prompt, "limits": dataclasses.asdict(EPISODE_LIMITS),
                                 "max_tokens": settings.eval_max_tokens, "temperature": 0.0,
                                 "general_seed": settings.seed, "max_seq_len": settings.max_seq_len},
                                option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS))
-    _hash_path(digest, Path(settings.general_data) if settings.general_data else GENERAL_PROMPTS)
+    _hash_files(digest, Path(settings.general_data) if settings.general_data else GENERAL_PROMPTS)
     return digest.hexdigest()[:32]
 
 

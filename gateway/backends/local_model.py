@@ -189,6 +189,15 @@ def _load_gguf(gguf: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     return model, tokenizer
 
 
+def model_fingerprint(model_path: str | None) -> dict[str, object]:
+    """What identifies the weights ``model_path`` names without reading them whole: a GGUF's fingerprint, or each
+    file of a checkpoint folder's name, size and head hash."""
+    path = model_location(model_path)
+    if not path.is_dir():
+        return _fingerprint(path)
+    return {str(f.relative_to(path)): _fingerprint(f) for f in sorted(path.rglob("*")) if f.is_file()}
+
+
 def _fingerprint(gguf: Path) -> dict[str, object]:
     """Name, size and a hash of the header (which holds all metadata): cheap, and changes with the file."""
     with gguf.open("rb") as fh:

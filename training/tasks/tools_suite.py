@@ -452,35 +452,9 @@ class _Generator:
             self.tasks[split] = tasks
 
     def _task(self, split: str, family: str, i: int) -> Task:
-        if family in services.FAMILIES:
-            return self._service_task(split, family, i)
-        fault = None
         for _ in range(1000):
-            if family == "recovery":
-                # Every (base family, fault kind) pair once in each run of nine; a chain's fault hits its
-                # look-up in three of those runs' chains and its calculation in the next three.
-                base = ("sql_lookup", "calculator", "chain")[i % 3]
-                prompt, expected, plan, fault_tool = self._draft(base, split, i // 3)
-                if base == "chain":
-                    fault_tool = ("sql_query", "calculator")[(i // 9) % 2]
-                assert fault_tool is not None
-                fault = Fault(tool=fault_tool, kind=FAULT_KINDS[(i + i // 3) % 3])  # type: ignore[arg-type]
-            else:
-                prompt, expected, plan, _ = self._draft(family, split, i)
-            if prompt not in self.seen:
-                break
-        else:  # pragma: no cover - the pools are far larger than the sizes
-            raise RuntimeError(f"could not draw a fresh {family} prompt for {split}")
-        self.seen.add(prompt)
-        task_id = f"tools/{split}/{_ID_PREFIX[family]}-{i:03d}"
-        tools = (*BASE_TOOLS, TEST_TOOL) if family == "unit_conversion" else BASE_TOOLS
-        self.plans[task_id] = plan
-        return Task(id=task_id, suite="tools", family=family, split=split, prompt=prompt, tools=tools,
-                    expected=expected, fault=fault)
-
-    def _service_task(self, split: str, family: str, i: int) -> Task:
-        for _ in range(1000):
-            drawn = self.services.draw(family, split, i)
+            drawn = self.services.draw(family, split, i) if family in services.FAMILIES else \
+                self._database_task(split, family, i)
             if drawn.prompt not in self.seen:
                 break
         else:  # pragma: no cover - the pools are far larger than the sizes
@@ -492,6 +466,22 @@ class _Generator:
             self.alternatives[task_id] = drawn.alternatives
         return Task(id=task_id, suite="tools", family=family, split=split, prompt=drawn.prompt, tools=drawn.tools,
                     expected=drawn.expected, fault=drawn.fault)
+
+    def _database_task(self, split: str, family: str, i: int) -> services.Drawn:
+        """One draw of a task of the database families (calculator, look-ups, chains, cannot, recovery, ...)."""
+        if family != "recovery":
+            prompt, expected, plan, _ = self._draft(family, split, i)
+            tools = (*BASE_TOOLS, TEST_TOOL) if family == "unit_conversion" else BASE_TOOLS
+            return services.Drawn(prompt, expected, plan, tools)
+        # Every (base family, fault kind) pair once in each run of nine; a chain's fault hits its
+        # look-up in three of those runs' chains and its calculation in the next three.
+        base = ("sql_lookup", "calculator", "chain")[i % 3]
+        prompt, expected, plan, fault_tool = self._draft(base, split, i // 3)
+        if base == "chain":
+            fault_tool = ("sql_query", "calculator")[(i // 9) % 2]
+        assert fault_tool is not None
+        fault = Fault(tool=fault_tool, kind=FAULT_KINDS[(i + i // 3) % 3])  # type: ignore[arg-type]
+        return services.Drawn(prompt, expected, plan, BASE_TOOLS, fault)
 
     def _draft(self, family: str, split: str, i: int) -> Draft:
         return getattr(self, f"_{family}")(split, i)
