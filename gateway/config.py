@@ -140,15 +140,36 @@ class RoutingSettings(Section):
 
 
 class GateSettings(Section):
-    """How much worse than the reference (the active adapter, else the base) a candidate may be on the test split."""
+    """Whether a candidate replaces the reference (the active adapter, else the base): both are evaluated on the
+    same gate tasks, drawn with a fixed seed from the suite's test templates, and compared by one-sided bounds."""
 
-    success_rate: float = Field(0.0, ge=0, description="Largest drop in task success rate allowed.")
-    valid_call_rate: float = Field(0.0, ge=0, description="Largest drop in the valid tool-call rate allowed.")
-    recovery_rate: float = Field(0.05, ge=0, description="Largest drop in the recovery rate after a tool failure.")
-    invalid_call_rate: float = Field(0.05, ge=0, description="Largest rise in the invalid tool-call rate allowed.")
-    mean_steps: float = Field(1.0, ge=0, description="Largest rise in mean steps per task allowed.")
+    tasks: int = Field(100, gt=0, description="Gate tasks drawn from the test templates (at least 100, or at "
+                       "least 40 with 3 samples each).")
+    samples: int = Field(1, gt=0, description="Episodes per gate task and model (above 1: sampled at "
+                         "``temperature``; a task's success is then the share of its samples that succeeded).")
+    temperature: float = Field(0.7, gt=0, le=2, description="Sampling temperature when ``samples`` is above 1 "
+                               "(one sample is greedy).")
+    seed: int = Field(0, description="Seed of the gate tasks' draw and of the bootstrap.")
+    confidence: float = Field(0.95, gt=0.5, lt=1, description="Confidence of each one-sided bound.")
+    resamples: int = Field(10_000, ge=1000, description="Bootstrap resamples of the paired tasks.")
+    min_faulted: int = Field(20, gt=0, description="Gate tasks with an injected tool fault the draw includes at "
+                             "least; recovery is judged on them pooled.")
+    invalid_call_rate: float = Field(0.05, ge=0, description="Largest rise in the invalid tool-call rate the "
+                                     "upper bound may show.")
     general_perplexity: float = Field(0.05, ge=0, description="Largest relative rise in perplexity on held-out "
-                                      "general data (0.05 = 5%).")
+                                      "general data the upper bound may show (0.05 = 5%).")
+    recovery_rate: float = Field(0.1, ge=0, description="Largest drop in success after a tool fault the lower "
+                                 "bound may show.")
+    mean_steps: float = Field(1.0, ge=0, description="Largest rise in steps beyond the solver's, on tasks both "
+                              "solved, the upper bound may show.")
+
+    @model_validator(mode="after")
+    def _enough_tasks(self) -> GateSettings:
+        if self.tasks < 100 and not (self.tasks >= 40 and self.samples >= 3):
+            raise ValueError(f"the gate needs at least 100 tasks, or at least 40 tasks with 3 samples each "
+                             f"(got {self.tasks} tasks x {self.samples} samples): fewer cannot tell a real "
+                             "improvement from noise")
+        return self
 
 
 class RLSettings(Section):

@@ -92,7 +92,7 @@ def eval_command(model: str = ModelArgument,
     async def run() -> Report:
         check = GeneralCheck(settings.training)
         async with Evaluator(settings.training) as evaluator:
-            return await evaluator.evaluate(suite_name, split, adapter, general=check.perplexity, label=model)
+            return await evaluator.evaluate(suite_name, split, adapter, general=check.losses, label=model)
 
     report = asyncio.run(run())
     folder = out or Path(settings.training.output_dir) / "eval" / f"{suite_name}-{split}-{Path(model).name}"

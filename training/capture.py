@@ -19,7 +19,8 @@ from replay.importer import Conversation, ImportResult, build_op
 from replay.records import WriteOp
 from replay.store import TrajectoryStore
 from replay.vocabulary import AGENT, DEMO
-from training.evaluate import Evaluator, RecorderFor, spread
+from training.episodes import RecorderFor
+from training.evaluate import Evaluator, spread
 from training.metrics import Episode, metrics_of
 from training.tasks import Task, get_suite
 

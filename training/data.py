@@ -58,6 +58,7 @@ from replay.export import ExportOptions, Row, iter_rows
 from replay.filters import Filters
 from replay.readonly import open_readonly
 from replay.redact import Redactor
+from training.metrics import perplexity_of
 
 log = structlog.get_logger()
 
@@ -461,24 +462,37 @@ def label_logits(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, to
 
 
 @torch.no_grad()
+def example_losses(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: list[Example], *,
+                   batch_size: int = 8) -> list[tuple[float, int]]:
+    """Each example's summed negative log-likelihood of its label tokens and their number, in the examples' order,
+    with whatever adapters are active (per example, so two models can be compared text by text)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    losses: list[tuple[float, int]] = [(0.0, 0)] * len(examples)
+    # Similar lengths together: less padding computed for nothing.
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i].input_ids))
+    try:
+        for start in range(0, len(order), batch_size):
+            rows = order[start:start + batch_size]
+            batch = pad_batch([examples[i] for i in rows], pad_id_of(tokenizer)).to(device)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                logits, targets = label_logits(model, batch)
+            token_nll = F.cross_entropy(logits.float(), targets, reduction="none")
+            # label_logits keeps the scored positions in row order: the row of each is its mask's row index.
+            row_of = (F.pad(batch.labels, (0, 1), value=IGNORE)[:, 1:] != IGNORE).nonzero()[:, 0]
+            nll = torch.zeros(len(rows), device=device).index_add_(0, row_of, token_nll)
+            count = torch.bincount(row_of, minlength=len(rows))
+            for j, i in enumerate(rows):
+                losses[i] = (nll[j].item(), int(count[j].item()))
+    finally:
+        model.train(was_training)
+    return losses
+
+
 def perplexity(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: list[Example], *,
                batch_size: int = 8) -> float:
     """exp of the mean negative log-likelihood of the label tokens, with whatever adapters are active."""
     if not examples:
         raise ValueError("perplexity of no examples")
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    nll, count = 0.0, 0
-    # Similar lengths together: less padding computed for nothing.
-    ordered = sorted(examples, key=lambda e: len(e.input_ids))
-    try:
-        for start in range(0, len(ordered), batch_size):
-            batch = pad_batch(ordered[start:start + batch_size], pad_id_of(tokenizer)).to(device)
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                logits, targets = label_logits(model, batch)
-            nll += F.cross_entropy(logits.float(), targets, reduction="sum").item()
-            count += targets.numel()
-    finally:
-        model.train(was_training)
-    return math.exp(nll / count)
+    return perplexity_of(example_losses(model, tokenizer, examples, batch_size=batch_size))

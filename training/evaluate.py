@@ -1,8 +1,9 @@
 """Evaluation: a task suite's split run through the gateway's own agent loop, and what it says of the agent.
 
-Every episode is one ``AgentLoop`` run on the embedded backend (with the candidate's LoRA adapter, or none),
-the suite's tools for the task (with its injected fault, if any), greedy decoding, and the suite's verifier.
-Episodes run ``concurrency`` at a time, so the backend batches their model calls.
+Every episode is one ``AgentLoop`` run (``training/episodes.py``) on the embedded backend (with the candidate's
+LoRA adapter, or none), the suite's tools for the task (with its injected fault, if any), greedy decoding (or, for
+several samples a task, sampling at a temperature), and the suite's verifier. Episodes run ``concurrency`` at a
+time, so the backend batches their model calls.
 
 Metrics: ``training/metrics.py``.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -20,19 +21,14 @@ import structlog
 from rich.table import Table
 from tqdm import tqdm
 
-from gateway.agent.limits import Limits
-from gateway.agent.loop import AgentLoop, Profile, Recorder, RunState, StepRecord
-from gateway.backends.base import Backend, ChatRequest, ChatResult
+from gateway.backends.base import ChatRequest, ChatResult
 from gateway.backends.local import LocalBackend
 from gateway.config import BackendSettings, TrainingSettings
-from replay.records import new_id
-from training.metrics import METRICS, Episode, format_value, metrics_of, success_interval
+from training.episodes import RecorderFor, run_episode
+from training.metrics import METRICS, Episode, Loss, format_value, metrics_of, perplexity_of, success_interval
 from training.tasks import Suite, Task, get_suite, test_only_markers
 
 log = structlog.get_logger()
-
-EPISODE_LIMITS = Limits(max_steps=6, max_consecutive_tool_failures=3, max_repeats=3)
-
 
 @dataclass
 class Report:
@@ -42,14 +38,10 @@ class Report:
     metrics: dict[str, float | None]
     episodes: list[Episode] = field(default_factory=list)
     seconds: float = 0.0
+    general_losses: list[Loss] = field(default_factory=list)  # per held-out general text: summed NLL, tokens
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self), option=orjson.OPT_INDENT_2)
-
-
-class _NoRecorder:
-    async def step(self, state: RunState, record: StepRecord) -> None:
-        pass
 
 
 class _WithAdapter:
@@ -64,10 +56,6 @@ class _WithAdapter:
 
     async def chat(self, request: ChatRequest) -> ChatResult:
         return await self.backend.chat(ChatRequest(body=request.body, model=request.model, adapter=self.adapter))
-
-
-# Makes (and starts) the recorder of one episode, e.g. a StoreRecorder that captures it into the store.
-RecorderFor = Callable[[Task, Profile, RunState], Awaitable[Recorder]]
 
 
 class Evaluator:
@@ -114,13 +102,16 @@ class Evaluator:
                        progress: str | None = None) -> list[Episode]:
         """Run every task once; with ``recorder_for`` each episode is also recorded (e.g. into the store)."""
         backend = _WithAdapter(self.backend, await self._adapter_name(adapter))
-        unseen = set(test_only_markers(suite)["tools"])
+        unseen = frozenset(test_only_markers(suite)["tools"])
         gate = asyncio.Semaphore(self.settings.eval_concurrency)
         bar = tqdm(total=len(tasks), desc=progress, unit="ep", disable=progress is None, leave=False)
 
         async def one(task: Task) -> Episode:
             async with gate:
-                episode = await self._episode(suite, task, backend, recorder_for, temperature, unseen)
+                episode = await run_episode(suite, task, backend, model=self.settings.base_model,
+                                            max_tokens=self.settings.eval_max_tokens, temperature=temperature,
+                                            unseen_tools=unseen, recorder_for=recorder_for,
+                                            token_counter=self.backend.count_tokens)
             bar.update()
             return episode
 
@@ -129,38 +120,32 @@ class Evaluator:
         finally:
             bar.close()
 
-    async def _episode(self, suite: Suite, task: Task, backend: Backend, recorder_for: RecorderFor | None,
-                       temperature: float, unseen: set[str]) -> Episode:
-        profile = Profile(name=suite.name, model=self.settings.base_model, system_prompt=suite.system_prompt,
-                          tools=list(task.tools), limits=EPISODE_LIMITS, temperature=temperature,
-                          max_tokens=self.settings.eval_max_tokens)
-        state = RunState(run_id=new_id(), profile=profile.name,
-                         messages=[{"role": "system", "content": suite.system_prompt},
-                                   {"role": "user", "content": task.prompt}])
-        recorder = await recorder_for(task, profile, state) if recorder_for else _NoRecorder()
-        loop = AgentLoop(profile=profile, backend=backend, toolbox=suite.toolbox(task), recorder=recorder,
-                         state=state, token_counter=self.backend.count_tokens)
-        state = await loop.run()
-        return Episode(
-            task_id=task.id, family=task.family, success=suite.verify(task, state.final, state.messages),
-            steps=state.budget.steps, tool_calls=state.tool_calls, invalid_calls=state.invalid_tool_calls,
-            needs_tools=task.family != "cannot", faulted=task.fault is not None, status=state.status,
-            termination_reason=state.termination_reason, final=state.final, run_id=state.run_id,
-            unseen_tools=bool(unseen & set(task.tools)))
-
     async def evaluate(self, suite_name: str, split: str, adapter: str | Path | None = None, *,
-                       general: Callable[[str | Path | None], float] | None = None,
+                       general: Callable[[str | Path | None], list[Loss]] | None = None,
                        label: str | None = None, limit: int = 0) -> Report:
         """The report of one model (the base, or ``adapter``) on one split (``limit`` > 0: that many of its tasks,
         spread evenly over it, so every family is in)."""
         suite = get_suite(suite_name, data_dir=self.settings.tasks_dir)
+        return await self.evaluate_tasks(suite, spread(suite.tasks(split), limit), adapter, split=split,
+                                         general=general, label=label)
+
+    async def evaluate_tasks(self, suite: Suite, tasks: list[Task], adapter: str | Path | None = None, *,
+                             split: str, samples: int = 1, temperature: float = 0.7,
+                             general: Callable[[str | Path | None], list[Loss]] | None = None,
+                             label: str | None = None) -> Report:
+        """The report of one model on ``tasks`` of ``suite`` (the instance that drew them: it verifies them),
+        ``samples`` episodes each: one is greedy, more are sampled at ``temperature``. ``general`` gives the
+        held-out general texts' losses, kept in the report and made its ``general_perplexity``."""
         started = time.perf_counter()
-        episodes = await self.episodes(suite, spread(suite.tasks(split), limit), adapter,
+        episodes = await self.episodes(suite, [t for t in tasks for _ in range(samples)], adapter,
+                                       temperature=temperature if samples > 1 else 0.0,
                                        progress=f"{label or adapter or 'base'} on {split}")
         metrics = metrics_of(episodes)
-        metrics["general_perplexity"] = await asyncio.to_thread(general, adapter) if general else None
-        return Report(model=label or (str(adapter) if adapter else "base"), suite=suite_name, split=split,
-                      metrics=metrics, episodes=episodes, seconds=time.perf_counter() - started)
+        losses = await asyncio.to_thread(general, adapter) if general else []
+        metrics["general_perplexity"] = perplexity_of(losses) if losses else None
+        return Report(model=label or (str(adapter) if adapter else "base"), suite=suite.name, split=split,
+                      metrics=metrics, episodes=episodes, seconds=time.perf_counter() - started,
+                      general_losses=losses)
 
 
 def spread(tasks: list[Task], count: int) -> list[Task]:

@@ -1,55 +1,269 @@
-"""The gate: a candidate replaces the reference (the active adapter, else the base) only if no configured
-metric got worse beyond its margin on the test split.
+"""The gate: a candidate replaces the reference (the active adapter, else the base) only when it is better beyond
+noise and no worse beyond a margin, judged on the same gate tasks.
 
-Margins (``[training.gate]``) are absolute for rates and steps, and relative for perplexity (0.05: at most
-5% higher). A metric the reference has but the candidate lacks counts as worse; one neither has is skipped.
+Both run the same tasks (drawn with a fixed seed from the suite's test templates, ``ToolsSuite.draw``), so every
+comparison is paired: per task, the candidate's outcome minus the reference's. A bound is one-sided at
+``[training.gate] confidence`` (95%), by the paired bootstrap over tasks with the gate's seed
+(``training/stats.py``). The candidate passes only if every check below passes:
+
+- ``success gain``: the lower bound of the paired success difference is above 0;
+- ``over <policy>``: the lower bound of the candidate's success rate (Wilson) is above the success rate
+  of each trivial policy on the same tasks (``always_refuse``, ``never_call``: a model that only learnt to refuse
+  or to guess must not pass, however weak the reference);
+- ``invalid-call rise``: the upper bound of the rise in the invalid-call rate (invalid calls over calls) is at
+  most ``invalid_call_rate``;
+- ``recovery drop``: pooled over the faulted tasks (at least ``min_faulted`` of them), the lower bound of the
+  paired success difference is at least ``-recovery_rate``;
+- ``excess steps``: on the tasks both solved, steps beyond the solver's (fewer than the solver's count as none,
+  so a lucky shortcut of the reference is no standard), the upper bound of the paired rise is at most
+  ``mean_steps``;
+- ``perplexity rise``: over the held-out general texts, the upper bound of the candidate's perplexity over the
+  reference's, minus 1, is at most ``general_perplexity``.
+
+A check with nothing to judge (no faulted task, no task both solved, no general data) is recorded as skipped.
+Every figure is kept in the ``Decision``: stored with the version in the registry and printed as a table.
 """
 
 from __future__ import annotations
 
+import math
+from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
+
+from rich.table import Table
 
 from gateway.config import GateSettings
-from training.metrics import HIGHER_IS_BETTER
+from training.metrics import Episode, Loss, perplexity_of
+from training.stats import mean, paired_bootstrap, rate_bounds
+from training.tasks import Suite, Task
+from training.tasks.adversarial import POLICIES
+
+TRIVIAL_POLICIES = ("always_refuse", "never_call")  # they answer at once: their outcome is a function of the task
+
+class Evaluated(Protocol):
+    """What the gate reads of an evaluation (``training.evaluate.Report``)."""
+
+    episodes: list[Episode]
+    general_losses: list[Loss]
 
 
 @dataclass(frozen=True)
 class Check:
-    metric: str
-    reference: float | None
+    name: str
+    reference: float | None  # each side's own figure, for the table
     candidate: float | None
-    margin: float
+    estimate: float | None  # the compared statistic (a difference, or a rate)
+    bound: float | None  # its one-sided bound ("lower" or "upper" of ``side``)
+    side: str
+    threshold: float
+    relation: str  # how the bound must stand to the threshold: ">", "≥" or "≤"
+    n: int  # the tasks (or texts) it rests on
     passed: bool
+    note: str = ""
+
+    @property
+    def skipped(self) -> bool:
+        return self.bound is None
 
 
 @dataclass(frozen=True)
 class Decision:
     passed: bool
     checks: list[Check]
+    tasks: int
+    samples: int
+    confidence: float
+    seed: int
 
     def failures(self) -> list[Check]:
         return [c for c in self.checks if not c.passed]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"passed": self.passed, "checks": [asdict(c) for c in self.checks]}
+        return {"passed": self.passed, "tasks": self.tasks, "samples": self.samples, "confidence": self.confidence,
+                "seed": self.seed, "checks": [asdict(c) for c in self.checks]}
+
+    def summary(self) -> str:
+        if self.passed:
+            return "gate passed"
+        return "gate refused: " + "; ".join(f"{c.name} {_bound_text(c)}" for c in self.failures())
 
 
-def _check(metric: str, reference: float | None, candidate: float | None, margin: float) -> Check | None:
-    if reference is None:
-        return None
-    if candidate is None:
-        return Check(metric, reference, candidate, margin, False)
-    if metric == "general_perplexity":
-        passed = candidate <= reference * (1 + margin)
-    elif HIGHER_IS_BETTER[metric]:
-        passed = candidate >= reference - margin
-    else:
-        passed = candidate <= reference + margin
-    return Check(metric, reference, candidate, margin, passed)
+@dataclass(frozen=True)
+class _Pair:
+    """One gate task: both sides' outcomes (shares of their samples where there are several)."""
+
+    task_id: str
+    faulted: bool
+    solver_steps: int
+    candidate: list[Episode]
+    reference: list[Episode]
+
+    def success(self, side: str) -> float:
+        episodes = getattr(self, side)
+        return sum(e.success for e in episodes) / len(episodes)
+
+    def solved_steps(self, side: str) -> float | None:
+        """Mean steps of this side's successful samples (None: none succeeded)."""
+        steps = [e.steps for e in getattr(self, side) if e.success]
+        return sum(steps) / len(steps) if steps else None
 
 
-def decide(candidate: dict[str, float | None], reference: dict[str, float | None], gate: GateSettings) -> Decision:
-    checks = [c for metric, margin in gate.model_dump().items()
-              if (c := _check(metric, reference.get(metric), candidate.get(metric), margin)) is not None]
-    return Decision(passed=all(c.passed for c in checks), checks=checks)
+def decide(candidate: Evaluated, reference: Evaluated, *, baselines: dict[str, float], solver_steps: dict[str, int],
+           gate: GateSettings) -> Decision:
+    """The gate's decision on two evaluations of the same tasks (see the module doc). ``baselines``: each trivial
+    policy's success rate on those tasks (``baselines()``); ``solver_steps``: the solver's steps per task id."""
+    pairs = _pairs(candidate.episodes, reference.episodes, solver_steps)
+    boot = {"confidence": gate.confidence, "resamples": gate.resamples, "seed": gate.seed}
+    checks = [_success_gain(pairs, boot), *_over_baselines(pairs, baselines, gate.confidence),
+              _invalid_rise(pairs, boot, gate.invalid_call_rate),
+              _recovery_drop(pairs, boot, gate.recovery_rate, gate.min_faulted),
+              _excess_steps(pairs, boot, gate.mean_steps),
+              _perplexity_rise(candidate.general_losses, reference.general_losses, boot, gate.general_perplexity)]
+    samples = max(len(p.candidate) for p in pairs)
+    return Decision(passed=all(c.passed for c in checks), checks=checks, tasks=len(pairs), samples=samples,
+                    confidence=gate.confidence, seed=gate.seed)
+
+
+def _pairs(candidate: list[Episode], reference: list[Episode], solver_steps: dict[str, int]) -> list[_Pair]:
+    by_task: dict[str, dict[str, list[Episode]]] = defaultdict(lambda: {"candidate": [], "reference": []})
+    for side, episodes in (("candidate", candidate), ("reference", reference)):
+        for e in episodes:
+            by_task[e.task_id][side].append(e)
+    unpaired = sorted(t for t, sides in by_task.items() if not sides["candidate"] or not sides["reference"])
+    if unpaired or not by_task:
+        raise ValueError(f"the gate compares episodes of the same tasks; {len(unpaired)} tasks have episodes on one "
+                         f"side only (e.g. {unpaired[:3]})" if unpaired else "the gate needs episodes")
+    missing = sorted(set(by_task) - set(solver_steps))
+    if missing:
+        raise ValueError(f"no solver steps for {len(missing)} gate tasks (e.g. {missing[:3]})")
+    return [_Pair(task_id, sides["candidate"][0].faulted, solver_steps[task_id], sides["candidate"],
+                  sides["reference"]) for task_id, sides in sorted(by_task.items())]
+
+
+def _success_gain(pairs: list[_Pair], boot: dict[str, Any]) -> Check:
+    def gain(items: Sequence[_Pair]) -> float:
+        return mean([p.success("candidate") - p.success("reference") for p in items])
+
+    estimate, lower, _ = paired_bootstrap(pairs, gain, **boot)
+    return Check("success gain", _rate(pairs, "reference"), _rate(pairs, "candidate"), estimate, lower, "lower",
+                 0.0, ">", len(pairs), lower > 0)
+
+
+def _over_baselines(pairs: list[_Pair], baselines: dict[str, float], confidence: float) -> list[Check]:
+    rate = _rate(pairs, "candidate")
+    lower, _ = rate_bounds(rate * len(pairs), len(pairs), confidence)
+    return [Check(f"over {name}", baseline, rate, rate, lower, "lower", baseline, ">", len(pairs), lower > baseline)
+            for name, baseline in baselines.items()]
+
+
+def _invalid_rise(pairs: list[_Pair], boot: dict[str, Any], margin: float) -> Check:
+    def invalid_rate(items: Sequence[_Pair], side: str) -> float:
+        calls = sum(e.tool_calls for p in items for e in getattr(p, side))
+        return sum(e.invalid_calls for p in items for e in getattr(p, side)) / calls if calls else 0.0
+
+    estimate, _, upper = paired_bootstrap(
+        pairs, lambda items: invalid_rate(items, "candidate") - invalid_rate(items, "reference"), **boot)
+    return Check("invalid-call rise", invalid_rate(pairs, "reference"), invalid_rate(pairs, "candidate"), estimate,
+                 upper, "upper", margin, "≤", len(pairs), upper <= margin)
+
+
+def _recovery_drop(pairs: list[_Pair], boot: dict[str, Any], margin: float, min_faulted: int) -> Check:
+    faulted = [p for p in pairs if p.faulted]
+    if not faulted:
+        return Check("recovery drop", None, None, None, None, "lower", -margin, "≥", 0, True, "no faulted task")
+    reference, candidate = _rate(faulted, "reference"), _rate(faulted, "candidate")
+    if len(faulted) < min_faulted:
+        return Check("recovery drop", reference, candidate, candidate - reference, None, "lower", -margin, "≥",
+                     len(faulted), False, f"{len(faulted)} faulted tasks, fewer than the {min_faulted} required")
+    estimate, lower, _ = paired_bootstrap(
+        faulted, lambda items: mean([p.success("candidate") - p.success("reference") for p in items]), **boot)
+    return Check("recovery drop", reference, candidate, estimate, lower, "lower", -margin, "≥", len(faulted),
+                 lower >= -margin)
+
+
+def _excess_steps(pairs: list[_Pair], boot: dict[str, Any], margin: float) -> Check:
+    both = [(p.solved_steps("candidate"), p.solved_steps("reference"), p.solver_steps) for p in pairs]
+    both = [(c, r, s) for c, r, s in both if c is not None and r is not None]
+    if not both:
+        return Check("excess steps", None, None, None, None, "upper", margin, "≤", 0, True, "no task both solved")
+
+    def excess(items: Sequence[tuple[float, float, int]], side: int) -> float:
+        return mean([max(item[side] - item[2], 0.0) for item in items])
+
+    estimate, _, upper = paired_bootstrap(both, lambda items: excess(items, 0) - excess(items, 1), **boot)
+    return Check("excess steps", excess(both, 1), excess(both, 0), estimate, upper, "upper", margin, "≤", len(both),
+                 upper <= margin)
+
+
+def _perplexity_rise(candidate: list[Loss], reference: list[Loss], boot: dict[str, Any], margin: float) -> Check:
+    if not reference:
+        return Check("perplexity rise", None, None, None, None, "upper", margin, "≤", 0, True, "no general data")
+    if len(candidate) != len(reference):
+        return Check("perplexity rise", perplexity_of(reference), None, None, None, "upper", margin, "≤",
+                     len(reference), False, "the candidate has no perplexity on the same general texts")
+    texts = list(zip(candidate, reference, strict=True))
+
+    def rise(items: Sequence[tuple[Loss, Loss]]) -> float:
+        tokens = sum(r[1] for _, r in items)
+        return math.exp((sum(c[0] for c, _ in items) - sum(r[0] for _, r in items)) / tokens) - 1
+
+    estimate, _, upper = paired_bootstrap(texts, rise, **boot)
+    return Check("perplexity rise", perplexity_of(reference), perplexity_of(candidate), estimate, upper, "upper",
+                 margin, "≤", len(texts), upper <= margin)
+
+
+def _rate(pairs: Sequence[_Pair], side: str) -> float:
+    return mean([p.success(side) for p in pairs])
+
+
+def baselines(suite: Suite, tasks: list[Task]) -> dict[str, float]:
+    """Each trivial policy's success rate on ``tasks``: its first (and only) reply, judged by the verifier."""
+    rates = {}
+    for name in TRIVIAL_POLICIES:
+        policy = POLICIES[name]
+        solved = 0
+        for task in tasks:
+            messages = [{"role": "system", "content": suite.system_prompt}, {"role": "user", "content": task.prompt}]
+            reply = policy({"messages": messages, "tools": []})
+            solved += suite.verify(task, reply["content"], [*messages, reply])
+        rates[name] = solved / len(tasks)
+    return rates
+
+
+async def solver_steps(suite: Suite, tasks: list[Task]) -> dict[str, int]:
+    """The solver's model calls per task: its demonstration's assistant turns."""
+    return {t.id: sum(m["role"] == "assistant" for m in await suite.solve(t)) for t in tasks}
+
+
+def _format(check: Check, value: float | None, *, own: bool = False) -> str:
+    """``own``: a side's own figure (a perplexity is no percentage; its rise is)."""
+    if value is None:
+        return "-"
+    plain = check.name == "excess steps" or (own and check.name == "perplexity rise")
+    return f"{value:.2f}" if plain else f"{value:.1%}"
+
+
+def _bound_text(check: Check) -> str:
+    if check.skipped:
+        return check.note
+    return (f"{check.side} bound {_format(check, check.bound)} "
+            f"(must be {check.relation} {_format(check, check.threshold)})")
+
+
+def decision_table(decision: Decision, reference: str, candidate: str) -> Table:
+    """The decision, a check a row (each side's figure, the estimate, its bound and what it must be, the tasks or
+    texts it rests on): what replay-train prints."""
+    notes = [f"{c.name}: {c.note}" for c in decision.checks if c.note]
+    table = Table(title=f"gate: {candidate} against {reference}, {decision.tasks} tasks × {decision.samples} "
+                        f"sample(s), one-sided {decision.confidence:.0%} bounds: "
+                        f"{'passed' if decision.passed else 'refused'}", caption="; ".join(notes) or None)
+    table.add_column("check", no_wrap=True)
+    for column in ("reference", "candidate", "bound", "must be", "n", ""):
+        table.add_column(column, justify="right", no_wrap=True)
+    for c in decision.checks:
+        table.add_row(c.name, _format(c, c.reference, own=True), _format(c, c.candidate, own=True),
+                      _format(c, c.bound), f"{c.relation} {_format(c, c.threshold)}",
+                      str(c.n), "skip" if c.skipped and c.passed else "pass" if c.passed else "FAIL")
+    return table

@@ -45,17 +45,18 @@ class GeneralCheck:
             assert self._train is not None
             return self._train
 
-    def perplexity(self, adapter: str | Path | None = None) -> float:
-        """Perplexity of the base (``adapter=None``) or the base with the adapter folder applied."""
+    def losses(self, adapter: str | Path | None = None) -> list[tuple[float, int]]:
+        """Each held-out text's summed negative log-likelihood and tokens, for the base (``adapter=None``) or the
+        base with the adapter folder applied (``data.perplexity_of`` makes them one perplexity)."""
         with self._lock:
             self._load()
             assert self._held_out is not None
             if adapter is None:
-                return data.perplexity(self._model, self._tokenizer, self._held_out)
+                return data.example_losses(self._model, self._tokenizer, self._held_out)
             from peft import PeftModel
 
             wrapped = PeftModel.from_pretrained(self._model, str(adapter), is_trainable=False)
             try:
-                return data.perplexity(wrapped, self._tokenizer, self._held_out)
+                return data.example_losses(wrapped, self._tokenizer, self._held_out)
             finally:
                 self._model = wrapped.unload()  # the plain base again, for the next adapter

@@ -20,10 +20,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from training.stats import rate_bounds
+
 METRICS = ("success_rate", "mean_steps", "valid_call_rate", "invalid_call_rate", "recovery_rate",
            "unseen_tool_success_rate", "general_perplexity")
 HIGHER_IS_BETTER = {"success_rate": True, "mean_steps": False, "valid_call_rate": True, "invalid_call_rate": False,
                     "recovery_rate": True, "unseen_tool_success_rate": True, "general_perplexity": False}
+
+
+Loss = tuple[float, int]  # one text: its summed negative log-likelihood, its tokens
 
 
 @dataclass
@@ -60,20 +65,20 @@ def metrics_of(episodes: list[Episode]) -> dict[str, float | None]:
     }
 
 
-def wilson_interval(successes: int, trials: int, z: float = 1.959964) -> tuple[float, float]:
-    """The Wilson score interval of a success rate (``z`` 1.96: two-sided 95%). Unlike the normal approximation it
-    stays inside [0, 1] and is not empty at 0 or n successes, which small evaluations often give."""
-    if trials <= 0:
-        return 0.0, 1.0
-    p = successes / trials
-    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
-    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
-    return max(0.0, centre - half), min(1.0, centre + half)
+def wilson_interval(successes: int, trials: int) -> tuple[float, float]:
+    """The two-sided 95% Wilson score interval of a success rate. Unlike the normal approximation it stays inside
+    [0, 1] and is not empty at 0 or n successes, which small evaluations often give."""
+    return rate_bounds(successes, trials, confidence=0.975)  # each side 2.5%
 
 
 def success_interval(episodes: list[Episode]) -> tuple[float, float] | None:
     """The 95% interval of the success rate the episodes estimate (None without episodes)."""
     return wilson_interval(sum(e.success for e in episodes), len(episodes)) if episodes else None
+
+
+def perplexity_of(losses: list[Loss]) -> float:
+    """exp of the mean negative log-likelihood per token over texts' losses."""
+    return math.exp(sum(n for n, _ in losses) / sum(t for _, t in losses))
 
 
 def rank(metrics: dict[str, float | None]) -> tuple[float, float, float]:

@@ -1,15 +1,17 @@
 """The gate's reference, evaluated once: its test report cached under a key of everything the report depends on.
 
-Every replay-train run compares its candidate with the reference (the active adapter, else the base) on the test
-split. The reference rarely changes between runs, so its report is kept in ``<output_dir>/references/<key>.json``
+Every replay-train run compares its candidate with the reference (the active adapter, else the base) on the gate's
+tasks (``[training.gate]``: drawn with a fixed seed from the test templates). The reference rarely changes
+between runs, so its report is kept in ``<output_dir>/references/<key>.json``
 and read back while the key is the same. The key hashes
 
 - the weights: the base model's fingerprint (``local_model.model_fingerprint``: names, sizes and head hashes, as
   the model cache checks them) and, for an adapter, every file of its folder (weights, config, the rendering it
   is served in);
-- the suite: its name and ``version`` (bumped when its tools or verifier change), and the split's task set (each
-  task's id, prompt, tools, expected value and fault);
-- the decoding: the episode limits, ``eval_max_tokens``, greedy sampling;
+- the suite: its name and ``version`` (bumped when its tools or verifier change), and the task set (each task's
+  id, prompt, tools, expected value and fault);
+- the decoding: the episode limits, ``eval_max_tokens``, the samples per task and their temperature (one sample:
+  greedy);
 - the general check: the general data it reads, its seed and ``max_seq_len``.
 
 Anything else that changes an evaluation must be added to the key, or a stale report is served.
@@ -28,14 +30,15 @@ import structlog
 
 from gateway.backends.local_model import model_fingerprint
 from gateway.config import TrainingSettings
-from training.evaluate import EPISODE_LIMITS, Evaluator, Report
+from training.episodes import EPISODE_LIMITS
+from training.evaluate import Evaluator, Report
 from training.general_data import GENERAL_PROMPTS
-from training.metrics import Episode
-from training.tasks import Suite
+from training.metrics import Episode, Loss
+from training.tasks import Suite, Task
 
 log = structlog.get_logger()
 
-KEY_FORMAT = 1  # bump when the key's parts change
+KEY_FORMAT = 2  # bump when the key's parts or the report's fields change
 
 
 def _hash_files(digest: hashlib._Hash, path: Path) -> None:
@@ -47,32 +50,36 @@ def _hash_files(digest: hashlib._Hash, path: Path) -> None:
                 digest.update(block)
 
 
-async def reference_report(evaluator: Evaluator, cache: ReferenceCache, suite: Suite, split: str,
-                           adapter: Path | None, settings: TrainingSettings, *, label: str,
-                           general: Callable[[str | Path | None], float] | None = None) -> tuple[Report, bool]:
-    """``adapter``'s (None: the base's) report on ``split``, from the cache when its key is there (and whether it
-    was), else evaluated and cached."""
-    key = await asyncio.to_thread(reference_key, suite, split, adapter, settings)
+async def reference_report(evaluator: Evaluator, cache: ReferenceCache, suite: Suite, tasks: list[Task],
+                           adapter: Path | None, settings: TrainingSettings, *, label: str, split: str = "gate",
+                           general: Callable[[str | Path | None], list[Loss]] | None = None) -> tuple[Report, bool]:
+    """``adapter``'s (None: the base's) report on ``tasks`` (``[training.gate] samples`` each), from the cache when
+    its key is there (and whether it was), else evaluated and cached."""
+    gate = settings.gate
+    key = await asyncio.to_thread(reference_key, suite, tasks, adapter, settings)
     cached = await asyncio.to_thread(cache.get, key)
     if cached is not None:
         return dataclasses.replace(cached, model=label), True
-    report = await evaluator.evaluate(suite.name, split, adapter, general=general, label=label)
+    report = await evaluator.evaluate_tasks(suite, tasks, adapter, split=split, samples=gate.samples,
+                                            temperature=gate.temperature, general=general, label=label)
     await asyncio.to_thread(cache.put, key, report)
     return report, False
 
 
-def reference_key(suite: Suite, split: str, adapter: Path | None, settings: TrainingSettings) -> str:
-    """The cache key of ``adapter``'s (None: the base's) report on ``suite``'s ``split`` (see the module doc)."""
+def reference_key(suite: Suite, tasks: list[Task], adapter: Path | None, settings: TrainingSettings) -> str:
+    """The cache key of ``adapter``'s (None: the base's) report on ``tasks`` of ``suite`` (see the module doc)."""
     digest = hashlib.sha256(f"format {KEY_FORMAT}\n".encode())
     # The base is large and read at every run: its fingerprint; an adapter is small: every byte.
     digest.update(orjson.dumps(model_fingerprint(settings.model_path), option=orjson.OPT_SORT_KEYS))
     digest.update(b"\0adapter\0")
     if adapter is not None:
         _hash_files(digest, Path(adapter))
-    tasks = [dataclasses.asdict(t) for t in suite.tasks(split)]
-    digest.update(orjson.dumps({"suite": suite.name, "version": suite.version, "split": split, "tasks": tasks,
+    samples = settings.gate.samples
+    digest.update(orjson.dumps({"suite": suite.name, "version": suite.version,
+                                "tasks": [dataclasses.asdict(t) for t in tasks],
                                 "system_prompt": suite.system_prompt, "limits": dataclasses.asdict(EPISODE_LIMITS),
-                                "max_tokens": settings.eval_max_tokens, "temperature": 0.0,
+                                "max_tokens": settings.eval_max_tokens, "samples": samples,
+                                "temperature": settings.gate.temperature if samples > 1 else 0.0,
                                 "general_seed": settings.seed, "max_seq_len": settings.max_seq_len},
                                option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS))
     _hash_files(digest, Path(settings.general_data) if settings.general_data else GENERAL_PROMPTS)
@@ -91,6 +98,7 @@ class ReferenceCache:
             return None
         data = orjson.loads(path.read_bytes())
         data["episodes"] = [Episode(**e) for e in data["episodes"]]
+        data["general_losses"] = [tuple(loss) for loss in data["general_losses"]]
         return Report(**data)
 
     def put(self, key: str, report: Report) -> Path:

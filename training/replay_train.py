@@ -15,7 +15,8 @@
    the selected trajectories' groups with captured log-probabilities first, then ``[training.rl] steps`` of
    online rollouts; validation keeps the best checkpoint, rolls back, or stops the run on the reward-hacking alarm;
 7. test: candidate and reference (the adapter's active version, else the base), and what RL started from when that
-   is neither, on the test split, plus the general check; the gate compares candidate and reference;
+   is neither, on the gate's tasks (``[training.gate]``: drawn with a fixed seed from the test templates), plus
+   the general check; the gate (``training/gate.py``) decides by one-sided bounds of their paired differences;
 8. register: the candidate becomes a new version of the adapter in the store's registry, its numbers and the
    gate's decision stored with it; promoted if it passed;
 9. publish: with ``--publish URL``, a passing candidate is registered on that gateway instead (uploaded with
@@ -45,14 +46,14 @@ from replay.rewards import recompute, signal_weights, step_limits
 from replay.store import TrajectoryStore
 from training import data, general_data
 from training.evaluate import Evaluator, report_table, write_reports
-from training.gate import Decision, decide
+from training.gate import Decision, baselines, decide, decision_table, solver_steps
 from training.general import GeneralCheck
 from training.metrics import rank
 from training.references import ReferenceCache, reference_report
 from training.rl import Group, RLConfig, similar_batches, train_rl
 from training.rollouts import Rollouts, groups_from_store
 from training.sft import SFTConfig, load_base, train_sft
-from training.tasks import Suite, get_suite, leak_filter
+from training.tasks import Suite, Task, get_suite, leak_filter
 
 MODES = ("sft", "rl", "sft+rl")
 
@@ -84,6 +85,8 @@ async def replay_train(settings: Settings, filters: Filters, *, mode: str = "sft
     run_dir.mkdir(parents=True, exist_ok=True)
     outcome = Outcome(run_dir=run_dir)
     started = time.perf_counter()
+    gate = training.gate
+    gate_tasks = suite.draw("test", gate.tasks, seed=gate.seed, min_faulted=gate.min_faulted)
 
     def stage(label: str, detail: str) -> None:
         console.print(f"[bold]{label:<9}[/bold] {detail}  [dim]({time.perf_counter() - started:.0f} s)[/dim]")
@@ -113,7 +116,7 @@ async def replay_train(settings: Settings, filters: Filters, *, mode: str = "sft
     general = GeneralCheck(training)
     async with Evaluator(training) as evaluator:
         if "sft" in mode:
-            candidate, validation = await _sft(settings, filters, suite, general, evaluator,
+            candidate, validation = await _sft(settings, filters, suite, gate_tasks, general, evaluator,
                                                run_dir / "sft" if "rl" in mode else run_dir, stage)
         else:
             candidate = None if init == "base" else Path(init) if init else reference
@@ -127,23 +130,27 @@ async def replay_train(settings: Settings, filters: Filters, *, mode: str = "sft
                                    "adapter it started from, which is the one serving now")
 
         # -- test and gate ------------------------------------------------------------------------------------
-        # The reference's report comes from the cache while its weights, the suite and the settings are the same.
+        # Both on the same gate tasks; the reference's report comes from the cache while its weights, the tasks
+        # and the settings are the same.
         before, cached = await reference_report(evaluator, ReferenceCache(Path(training.output_dir) / "references"),
-                                                suite, "test", reference, training, label=reference_label,
-                                                general=general.perplexity)
+                                                suite, gate_tasks, reference, training, label=reference_label,
+                                                general=general.losses)
         if cached:
-            stage("reference", f"{reference_label}: its test report from the cache")
+            stage("reference", f"{reference_label}: its gate report from the cache")
         # What RL started from gets its own column when it is neither the reference nor the candidate.
         columns = [(start, "before RL")] if "rl" in mode and start not in (None, reference, candidate) else []
         columns.append((candidate, f"{name} (candidate)"))
-        reports = [before] + [await evaluator.evaluate(suite.name, "test", model, general=general.perplexity,
-                                                       label=label) for model, label in columns]
+        reports = [before] + [await evaluator.evaluate_tasks(suite, gate_tasks, model, split="gate",
+                                                             samples=gate.samples, temperature=gate.temperature,
+                                                             general=general.losses, label=label)
+                              for model, label in columns]
     before, after = reports[0], reports[-1]
-    decision = decide(after.metrics, before.metrics, training.gate)
+    decision = decide(after, before, baselines=baselines(suite, gate_tasks),
+                      solver_steps=await solver_steps(suite, gate_tasks), gate=gate)
     outcome.decision = decision
-    write_reports(reports, run_dir, title=f"{suite.name} / test: before and after")
-    stage("test", "gate passed" if decision.passed else
-          "gate refused: " + ", ".join(f"{c.metric} {c.reference:.3g} → {c.candidate}" for c in decision.failures()))
+    title = f"{suite.name} / {len(gate_tasks)} gate tasks (seed {gate.seed}): before and after"
+    write_reports(reports, run_dir, title=title)
+    stage("test", decision.summary())
 
     # -- register and publish ------------------------------------------------------------------------------------
     metrics: dict[str, Any] = {"mode": mode, "test": after.metrics,
@@ -171,20 +178,21 @@ async def replay_train(settings: Settings, filters: Filters, *, mode: str = "sft
         stage("register", f"{version.backend_name} ({version.status}) in {settings.store.path}"
               + ("; not published: the gate refused it" if publish else ""))
 
-    console.print(report_table(reports, f"{suite.name} / test: before and after"))
+    console.print(report_table(reports, title))
+    console.print(decision_table(decision, before.model, after.model))
     return outcome
 
 
 Stage = Callable[[str, str], None]
 
 
-async def _sft(settings: Settings, filters: Filters, suite: Suite, general: GeneralCheck, evaluator: Evaluator,
-               out: Path, stage: Stage) -> tuple[Path, dict[str, Any]]:
+async def _sft(settings: Settings, filters: Filters, suite: Suite, gate_tasks: list[Task], general: GeneralCheck,
+               evaluator: Evaluator, out: Path, stage: Stage) -> tuple[Path, dict[str, Any]]:
     """Build, train (into ``out``) and validate: the best SFT checkpoint and its validation metrics."""
     training = settings.training
     tokenizer = await asyncio.to_thread(load_tokenizer, training.model_path)
     task_rows, stats = await asyncio.to_thread(data.examples_from_store, settings.store.path, filters, tokenizer,
-                                               max_seq_len=training.max_seq_len, exclude=leak_filter(suite),
+                                               max_seq_len=training.max_seq_len, exclude=leak_filter(suite, gate_tasks),
                                                rendering=training.tool_rendering)
     if not task_rows:
         raise ReplayTrainError("the selected trajectories hold no model call to train on (with --min-reward, "

@@ -524,6 +524,13 @@ def test_perplexity_is_finite_and_a_noise_adapter_raises_it(smol_tokenizer: PreT
         optimizer.zero_grad()
     base = perplexity(model, smol_tokenizer, examples, batch_size=3)
     assert math.isfinite(base) and 1 < base < 100
+    # Per text, in the examples' order, whatever the batching: what the gate pairs text by text.
+    losses = data.example_losses(model, smol_tokenizer, examples, batch_size=3)
+    assert [t for _, t in losses] == [sum(label != IGNORE for label in e.labels) for e in examples]
+    for (nll, tokens), alone in zip(losses, (data.example_losses(model, smol_tokenizer, [e])[0] for e in examples),
+                                    strict=True):
+        assert nll == pytest.approx(alone[0], rel=1e-4) and tokens == alone[1]
+    assert math.exp(sum(n for n, _ in losses) / sum(t for _, t in losses)) == pytest.approx(base)
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj",
                                                                                       "down_proj"]))
     assert perplexity(peft_model, smol_tokenizer, examples) == pytest.approx(base)  # peft's init changes nothing

@@ -1,47 +1,233 @@
-"""The gate's arithmetic: which differences are within their margins."""
+"""The gate's rule on episodes run through the real agent loop: the suite's solver, the adversarial policies and
+a noisy model as scripted backends on the gate's 100 tasks (drawn as replay-train draws them), each judged by the
+suite's verifier; then each guard on its own."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
 from gateway.config import GateSettings
-from training.gate import decide
+from tests.scripted import ScriptedBackend
+from training.episodes import EPISODE_LIMITS, run_episode
+from training.gate import Decision, baselines, decide, decision_table, solver_steps
+from training.metrics import Episode, Loss
+from training.tasks import Task
+from training.tasks.adversarial import POLICIES
+from training.tasks.tools_suite import ToolsSuite
 
-REFERENCE = {"success_rate": 0.5, "mean_steps": 2.0, "valid_call_rate": 0.8, "invalid_call_rate": 0.1,
-             "recovery_rate": 0.4, "general_perplexity": 10.0}
-GATE = GateSettings(success_rate=0.02, valid_call_rate=0.0, recovery_rate=0.05, invalid_call_rate=0.05,
-                    mean_steps=0.5, general_perplexity=0.05)
-
-
-def failed(candidate: dict) -> list[str]:
-    return [c.metric for c in decide({**REFERENCE, **candidate}, REFERENCE, GATE).failures()]
-
-
-def test_an_equal_or_better_candidate_passes() -> None:
-    assert decide(REFERENCE, REFERENCE, GATE).passed
-    better = {"success_rate": 0.9, "mean_steps": 1.5, "valid_call_rate": 1.0, "invalid_call_rate": 0.0,
-              "recovery_rate": 0.9, "general_perplexity": 9.0}
-    assert decide(better, REFERENCE, GATE).passed
+GATE = GateSettings()
+Script = Callable[[Task], list[Any]]
 
 
-def test_drops_within_their_margins_pass_and_beyond_them_fail() -> None:
-    assert failed({"success_rate": 0.485}) == []
-    assert failed({"success_rate": 0.47}) == ["success_rate"]
-    assert failed({"valid_call_rate": 0.79}) == ["valid_call_rate"]  # margin 0: any drop
-    assert failed({"invalid_call_rate": 0.14}) == []
-    assert failed({"invalid_call_rate": 0.2}) == ["invalid_call_rate"]
-    assert failed({"mean_steps": 2.6}) == ["mean_steps"]
+@dataclass
+class Side:
+    episodes: list[Episode]
+    general_losses: list[Loss] = field(default_factory=list)
 
 
-def test_perplexity_is_compared_relatively() -> None:
-    assert failed({"general_perplexity": 10.49}) == []
-    assert failed({"general_perplexity": 10.6}) == ["general_perplexity"]
+@dataclass
+class Bench:
+    suite: ToolsSuite
+    tasks: list[Task]
+    demos: dict[str, list[dict[str, Any]]]
+    baselines: dict[str, float]
+    solver_steps: dict[str, int]
+
+    def run(self, script: Script) -> list[Episode]:
+        async def all_tasks() -> list[Episode]:
+            return [await run_episode(self.suite, task, ScriptedBackend(script(task)), model="scripted-model",
+                                      max_tokens=64) for task in self.tasks]
+        return asyncio.run(all_tasks())
+
+    def solver(self, task: Task) -> list[Any]:
+        return [m for m in self.demos[task.id] if m["role"] == "assistant"]
+
+    def decide(self, candidate: list[Episode], reference: list[Episode], gate: GateSettings = GATE, *,
+               general: tuple[list[Loss], list[Loss]] = ([], [])) -> Decision:
+        """``general``: the candidate's and the reference's losses on the held-out general texts."""
+        return decide(Side(candidate, general[0]), Side(reference, general[1]), baselines=self.baselines,
+                      solver_steps=self.solver_steps, gate=gate)
 
 
-def test_a_metric_the_candidate_lacks_fails_and_one_the_reference_lacks_is_skipped() -> None:
-    assert failed({"recovery_rate": None}) == ["recovery_rate"]
-    decision = decide(REFERENCE, {**REFERENCE, "recovery_rate": None}, GATE)
-    assert decision.passed and "recovery_rate" not in [c.metric for c in decision.checks]
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory: pytest.TempPathFactory) -> Bench:
+    suite = ToolsSuite(tmp_path_factory.mktemp("tasks"))
+    tasks = suite.draw("test", GATE.tasks, seed=GATE.seed, min_faulted=GATE.min_faulted)
+
+    async def solve() -> dict[str, list[dict[str, Any]]]:
+        return {t.id: await suite.solve(t) for t in tasks}
+
+    return Bench(suite, tasks, asyncio.run(solve()), baselines(suite, tasks), asyncio.run(solver_steps(suite, tasks)))
 
 
-def test_the_decision_serialises_with_every_check() -> None:
-    stored = decide(REFERENCE, REFERENCE, GATE).as_dict()
-    assert stored["passed"] is True and len(stored["checks"]) == 6
+@pytest.fixture(scope="module")
+def episodes(bench: Bench) -> dict[str, list[Episode]]:
+    """solver, each adversarial policy, and noise (invalid calls and a wrong answer) on every gate task."""
+    def noise(task: Task) -> list[Any]:
+        wrong = {"role": "assistant", "content": None, "tool_calls": [{"id": "call_0", "type": "function",
+                 "function": {"name": task.tools[0], "arguments": json.dumps({"no such argument": 1})}}]}
+        return [wrong, "Blue seven, probably 3.5 or 12."]
+
+    scripts: dict[str, Script] = {"solver": bench.solver, "noise": noise, **{
+        name: (lambda task, p=policy: [p] * (EPISODE_LIMITS.max_steps + 1)) for name, policy in POLICIES.items()}}
+    return {name: bench.run(script) for name, script in scripts.items()}
+
+
+def checks(decision: Decision) -> dict[str, bool]:
+    return {c.name: c.passed for c in decision.checks}
+
+
+def test_the_gate_tasks_are_drawn_from_the_test_templates_with_enough_faults(bench: Bench) -> None:
+    tasks = bench.tasks
+    assert len(tasks) == 100 and len({t.prompt for t in tasks}) == 100
+    assert sum(t.fault is not None for t in tasks) >= GATE.min_faulted
+    assert all(t.split == "test" for t in tasks)
+    seen = {t.prompt for split in ("train", "validation") for t in bench.suite.tasks(split)}
+    assert not seen & {t.prompt for t in tasks}
+    again = ToolsSuite(bench.suite.data_dir).draw("test", 100, seed=GATE.seed, min_faulted=GATE.min_faulted)
+    assert again == tasks  # the fixed seed: the same tasks at every run
+    assert ToolsSuite(bench.suite.data_dir).draw("test", 100, seed=1, min_faulted=20) != tasks
+    assert {t.family for t in tasks} == {t.family for t in bench.suite.tasks("test")}
+    # Decline tasks stay under a tenth, so refusing everything stays a weak baseline.
+    assert bench.baselines["always_refuse"] < 0.1 and bench.baselines["never_call"] == 0.0
+
+
+def test_the_solver_passes_against_a_model_that_solves_nothing(bench: Bench, episodes: dict) -> None:
+    assert all(e.success for e in episodes["solver"])
+    decision = bench.decide(episodes["solver"], episodes["never_call"])
+    assert decision.passed, decision.failures()
+    gain = decision.checks[0]
+    assert gain.name == "success gain" and gain.estimate == 1.0 and gain.bound == 1.0
+    stored = decision.as_dict()
+    assert stored["tasks"] == 100 and stored["samples"] == 1 and stored["seed"] == GATE.seed
+    assert {c["name"] for c in stored["checks"]} == {
+        "success gain", "over always_refuse", "over never_call", "invalid-call rise",
+        "recovery drop", "excess steps", "perplexity rise"}
+    assert "perplexity rise" in [c.name for c in decision.checks if c.skipped]  # no general data here
+
+
+@pytest.mark.parametrize("policy", [*sorted(POLICIES), "noise"])
+def test_adversarial_policies_and_noise_fail_however_weak_the_reference(bench: Bench, episodes: dict,
+                                                                        policy: str) -> None:
+    for reference in ("never_call", "noise"):
+        decision = bench.decide(episodes[policy], episodes[reference])
+        assert not decision.passed, (policy, reference)
+
+
+def test_refusing_everything_beats_a_silent_base_but_not_the_trivial_policy(bench: Bench, episodes: dict) -> None:
+    decision = bench.decide(episodes["always_refuse"], episodes["never_call"])
+    assert checks(decision)["success gain"]  # 7 more tasks of 100 than a model that solves none
+    assert not checks(decision)["over always_refuse"]
+
+
+def _mix(bench: Bench, episodes: dict, solved: Callable[[int, Task], bool], other: str = "never_call"
+         ) -> list[Episode]:
+    return [episodes["solver"][i] if solved(i, t) else episodes[other][i] for i, t in enumerate(bench.tasks)]
+
+
+def test_an_improvement_within_noise_does_not_pass_and_a_clear_one_does(bench: Bench, episodes: dict) -> None:
+    reference = _mix(bench, episodes, lambda i, _: i < 30)
+    within = bench.decide(_mix(bench, episodes, lambda i, _: i < 32), reference)  # 2 more of 100
+    assert not within.passed and [c.name for c in within.failures()] == ["success gain"]
+    # Not better at all, or only in exchange for other tasks, does not pass either.
+    assert not bench.decide(reference, reference).passed
+    swapped = bench.decide(_mix(bench, episodes, lambda i, _: 5 <= i < 40), reference)  # 10 more, 5 fewer
+    assert not swapped.passed
+    clear = bench.decide(_mix(bench, episodes, lambda i, _: i < 60), reference)
+    assert clear.passed, clear.failures()
+    assert clear.checks[0].estimate == pytest.approx(0.30) and clear.checks[0].bound > 0.2
+
+
+def test_more_invalid_calls_fail_even_with_more_successes(bench: Bench, episodes: dict) -> None:
+    def sloppy(task: Task) -> list[Any]:  # an invalid call before each demonstration
+        wrong = {"role": "assistant", "content": None, "tool_calls": [{"id": "call_x", "type": "function",
+                 "function": {"name": "no_such_tool", "arguments": "{}"}}]}
+        return [wrong, *bench.solver(task)]
+
+    candidate = bench.run(sloppy)
+    assert sum(e.success for e in candidate) > 90
+    decision = bench.decide(candidate, _mix(bench, episodes, lambda i, _: i < 30))
+    assert checks(decision) == {**checks(decision), "success gain": True, "invalid-call rise": False}
+    assert not decision.passed
+
+
+def test_recovery_is_judged_pooled_over_the_faulted_tasks(bench: Bench, episodes: dict) -> None:
+    # The reference solves only the faulted tasks; the candidate solves every other one: more successes, no
+    # recovery left.
+    reference = _mix(bench, episodes, lambda _, t: t.fault is not None)
+    candidate = _mix(bench, episodes, lambda _, t: t.fault is None)
+    decision = bench.decide(candidate, reference)
+    recovery = next(c for c in decision.checks if c.name == "recovery drop")
+    assert checks(decision)["success gain"] and not recovery.passed
+    assert recovery.n == sum(t.fault is not None for t in bench.tasks) and recovery.estimate == -1.0
+    # Too few faulted tasks cannot judge recovery: the check fails and says so.
+    few = bench.decide(candidate, reference, GateSettings(min_faulted=50))
+    assert "fewer than the 50 required" in next(c for c in few.checks if c.name == "recovery drop").note
+
+
+def test_steps_are_compared_on_tasks_both_solved_against_the_solvers(bench: Bench, episodes: dict) -> None:
+    def padded(task: Task) -> list[Any]:  # two needless valid calls before each demonstration
+        return [POLICIES["repeat_a_call"], POLICIES["repeat_a_call"], *bench.solver(task)]
+
+    reference = _mix(bench, episodes, lambda i, _: i < 50)
+    slow = bench.decide(bench.run(padded), reference)
+    steps = next(c for c in slow.checks if c.name == "excess steps")
+    assert not steps.passed and steps.n >= 40 and steps.estimate == pytest.approx(2.0, abs=0.2)
+    assert steps.reference == 0.0  # the solver's own steps are no excess
+    # A candidate that solves with the solver's steps passes, though a reference that solves nothing (1 step a
+    # task) took fewer.
+    assert checks(bench.decide(episodes["solver"], episodes["never_call"]))["excess steps"]
+
+
+def test_general_perplexity_may_rise_by_at_most_its_margin(bench: Bench, episodes: dict) -> None:
+    reference = _mix(bench, episodes, lambda i, _: i < 30)
+    candidate = episodes["solver"]
+    base = [(10.0 + i % 7, 20 + i % 5) for i in range(40)]
+    rise = {"perplexity rise": False}
+    worse = bench.decide(candidate, reference, general=([(n + t * 0.2, t) for n, t in base], base))
+    assert checks(worse) == {**checks(worse), **rise}  # exp(0.2) - 1 = 22%
+    slight = bench.decide(candidate, reference, general=([(n + t * 0.01, t) for n, t in base], base))
+    assert slight.passed, slight.failures()  # exp(0.01) - 1 = 1%
+    missing = bench.decide(candidate, reference, general=([], base))
+    assert not checks(missing)["perplexity rise"]
+
+
+def test_paired_evaluation_needs_the_same_tasks_on_both_sides(bench: Bench, episodes: dict) -> None:
+    with pytest.raises(ValueError, match="one side only"):
+        bench.decide(episodes["solver"][:50], episodes["never_call"])
+
+
+def test_several_samples_a_task_count_as_a_share(bench: Bench, episodes: dict) -> None:
+    # Three samples a task: the candidate solves two of three where the reference solved one of three.
+    reference = [e for i in range(3) for e in _mix(bench, episodes, lambda j, _, i=i: i == 0 and j < 40)]
+    candidate = [e for i in range(3) for e in _mix(bench, episodes, lambda j, _, i=i: i < 2 and j < 40)]
+    decision = bench.decide(candidate, reference, GateSettings(tasks=40, samples=3))
+    assert decision.samples == 3 and decision.tasks == 100
+    assert decision.checks[0].estimate == pytest.approx(0.4 / 3)
+
+
+def test_the_decision_prints_as_a_table(bench: Bench, episodes: dict) -> None:
+    from rich.console import Console
+
+    console = Console(record=True, width=160)
+    console.print(decision_table(bench.decide(episodes["solver"], episodes["never_call"]), "base", "candidate"))
+    text = console.export_text()
+    assert "gate: candidate against base, 100 tasks × 1 sample(s), one-sided 95%" in text and "passed" in text
+    assert "over always_refuse" in text and "no general data" in text
+
+
+def test_the_settings_refuse_a_gate_too_small_to_tell_noise_from_gain() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="at least 100 tasks"):
+        GateSettings(tasks=63)
+    with pytest.raises(ValidationError):
+        GateSettings(tasks=40, samples=2)
+    assert GateSettings(tasks=40, samples=3).tasks == 40
+

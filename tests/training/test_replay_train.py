@@ -4,6 +4,7 @@ demonstrations captured into a real store, trained, evaluated through the agent 
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import sqlite3
 from pathlib import Path
@@ -28,14 +29,14 @@ from replay.importer import Conversation, import_conversations
 from replay.store import TrajectoryStore
 from tests.models import random_lora
 from tests.standin import ServerThread
-from training import data, general_data
+from tests.training.capitals import CapitalsSuite
+from training import data
 from training.capture import capture
 from training.evaluate import Evaluator
-from training.gate import decide
+from training.gate import baselines, decide, solver_steps
 from training.general import GeneralCheck
 from training.replay_train import replay_train
-from training.sft import SFTConfig, train_sft
-from training.tasks import get_suite, leak_filter, test_only_markers
+from training.tasks import SUITES, get_suite, leak_filter, test_only_markers
 
 pytestmark = pytest.mark.integration
 
@@ -78,11 +79,13 @@ def test_replay_train_selects_trains_validates_gates_and_registers(settings: Set
         assert (run / name).stat().st_size > 0, name
     assert (Path(version.path) / "adapter_config.json").is_file()
     before, after = orjson.loads((run / "eval.json").read_bytes())
-    assert before["split"] == after["split"] == "test" and len(after["episodes"]) == 63
+    assert before["split"] == after["split"] == "gate" and len(after["episodes"]) == settings.training.gate.tasks
+    assert stored["gate"]["tasks"] == 100 and len(stored["gate"]["checks"]) == 7
 
 
-def test_publish_registers_publishes_and_promotes_on_a_running_gateway(settings: Settings, tmp_path: Path,
+def test_publish_registers_publishes_and_promotes_on_a_running_gateway(capitals: Settings, tmp_path: Path,
                                                                       tiny_model_dir: Path) -> None:
+    settings = capitals
     gateway_settings = Settings.model_validate({
         "store": {"path": str(tmp_path / "gateway.db")},
         "backends": [{"name": "local", "kind": "local", "model_path": str(tiny_model_dir),
@@ -90,8 +93,7 @@ def test_publish_registers_publishes_and_promotes_on_a_running_gateway(settings:
         "routing": {"adapters_dir": str(tmp_path / "adapters")},
     })
     gateway_settings.server.admin_key = settings.server.admin_key = "admin-secret"
-    settings.training.gate.general_perplexity = 100.0  # a random model moves a lot; this test is about publishing
-    asyncio.run(capture(settings, "tools", "train", attempts=0))
+    asyncio.run(capture(settings, "capitals", "train", attempts=0))
     with ServerThread(build_app(gateway_settings), lifespan="on") as server:
         outcome = asyncio.run(replay_train(settings, Filters(source="demo"), publish=server.url,
                                            console=Console(quiet=True)))
@@ -100,9 +102,9 @@ def test_publish_registers_publishes_and_promotes_on_a_running_gateway(settings:
         cards = httpx.get(f"{server.url}/admin/adapters", headers={"Authorization": "Bearer admin-secret"}).json()
         (card,) = cards["data"]
         assert card["metrics"]["gate"]["passed"] is True and card["status"] == "active"
-        assert cards["loaded"] == {"local": ["tools@1"]}
+        assert cards["loaded"] == {"local": ["capitals@1"]}
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
-        reply = client.chat.completions.create(model=f"{settings.training.base_model}:tools", max_tokens=4,
+        reply = client.chat.completions.create(model=f"{settings.training.base_model}:capitals", max_tokens=4,
                                                messages=[{"role": "user", "content": "hi"}])
         assert reply.choices[0].message.content is not None
     assert AdapterRegistry(settings.store.path).all() == []  # registered on the gateway, not twice
@@ -136,28 +138,68 @@ def test_nothing_from_the_held_out_splits_reaches_the_training_rows(settings: Se
         assert not any(t in text for t in markers["tools"])
 
 
-def test_the_gate_refuses_a_degraded_adapter_and_accepts_a_trained_one(settings: Settings, tmp_path: Path,
-                                                                       tiny_model_dir: Path) -> None:
-    training = settings.training
+@pytest.fixture
+def capitals(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> Settings:
+    """The settings on the capitals suite (``tests/training/capitals.py``), trained hard enough to learn it."""
+    monkeypatch.setitem(SUITES, "capitals", CapitalsSuite)
+    return settings.model_copy(update={"training": settings.training.model_copy(update={
+        "suite": "capitals", "epochs": 10.0, "learning_rate": 5e-3, "checkpoints": 1, "max_seq_len": 256})})
+
+
+def test_a_trained_adapter_passes_the_gate_is_promoted_and_becomes_the_next_runs_reference(
+        capitals: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = capitals
+    asyncio.run(capture(settings, "capitals", "train", attempts=0))
+    registry = AdapterRegistry(settings.store.path)
+
+    def run() -> tuple[object, str]:
+        console = Console(record=True, width=200, file=io.StringIO())
+        outcome = asyncio.run(replay_train(settings, Filters(source="demo"), console=console))
+        return outcome, console.export_text()
+
+    first, printed = run()
+    assert first.decision.passed, first.decision.failures()
+    assert first.registered.status == "active" and registry.active("capitals").version == 1
+    stored = registry.get("capitals", 1).metrics
+    assert stored["reference"]["model"] == "base" and stored["gate"]["passed"] is True
+    gain = stored["gate"]["checks"][0]
+    assert gain["name"] == "success gain" and gain["bound"] > 0.2 and gain["n"] == 100
+    assert stored["test"]["success_rate"] > 0.3 and stored["reference"]["success_rate"] == 0.0
+    assert "bounds: passed" in " ".join(printed.split()) and "from the cache" not in printed
+
+    # The next run is judged against the promoted version; trained the same way it gains nothing on it.
+    second, printed = run()
+    stored = registry.get("capitals", 2).metrics
+    assert stored["reference"]["model"] == "capitals@1" and "from the cache" not in printed  # a new reference
+    assert not second.decision.passed and second.registered.status == "candidate"
+    assert registry.active("capitals").version == 1
+    # Its reference report is read back while nothing it depends on changed, and evaluated anew when it does.
+    third, printed = run()
+    assert "capitals@1: its gate report from the cache" in printed
+    monkeypatch.setattr(CapitalsSuite, "version", "2")
+    fourth, printed = run()
+    assert "from the cache" not in printed
+    assert registry.get("capitals", 4).metrics["reference"]["model"] == "capitals@1"
+
+
+def test_a_noise_adapter_fails_the_gate(capitals: Settings, tmp_path: Path, tiny_model_dir: Path) -> None:
+    training = capitals.training
+    suite = get_suite("capitals")
+    tasks = suite.draw("test", training.gate.tasks, seed=training.gate.seed)
     general = GeneralCheck(training)
-    tokenizer = load_tokenizer(training.model_path)
-    rows = general_data.general_examples(tokenizer, general.training_conversations(), training.max_seq_len)
-    trained = train_sft(training.model_path, rows, SFTConfig.from_settings(training, epochs=3.0, checkpoints=1),
-                        tmp_path / "trained").checkpoints[-1]
-    degraded = random_lora(tiny_model_dir, tmp_path / "noise", seed=7, scale=2.0)  # loud noise
+    noise = random_lora(tiny_model_dir, tmp_path / "noise", seed=7, scale=2.0)  # loud noise
 
-    async def reports() -> list[dict]:
+    async def reports() -> list:
         async with Evaluator(training) as evaluator:
-            return [(await evaluator.evaluate("tools", "test", adapter, general=general.perplexity)).metrics
-                    for adapter in (None, trained, degraded)]
+            return [await evaluator.evaluate_tasks(suite, tasks, adapter, split="gate", general=general.losses)
+                    for adapter in (None, noise)]
 
-    base, good, bad = asyncio.run(reports())
-    refused = decide(bad, base, training.gate)
-    assert not refused.passed
-    assert "general_perplexity" in [c.metric for c in refused.failures()]
-    accepted = decide(good, base, training.gate)
-    assert accepted.passed, accepted.failures()
-    assert good["general_perplexity"] < base["general_perplexity"] < bad["general_perplexity"]
+    base, bad = asyncio.run(reports())
+    decision = decide(bad, base, baselines=baselines(suite, tasks),
+                      solver_steps=asyncio.run(solver_steps(suite, tasks)), gate=training.gate)
+    assert not decision.passed
+    assert {c.name for c in decision.failures()} >= {"success gain", "perplexity rise"}
+    assert bad.metrics["general_perplexity"] > base.metrics["general_perplexity"]
 
 
 def _rl_settings(settings: Settings, **rl: object) -> Settings:

@@ -8,7 +8,7 @@ text that holds held-out material. See README.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from training.tasks.base import (
@@ -61,12 +61,13 @@ def test_only_markers(suite: Suite) -> dict[str, list[str]]:
 test_only_markers.__test__ = False  # type: ignore[attr-defined]  # a helper, not a pytest test
 
 
-def leak_filter(suite: Suite) -> Callable[[str], bool]:
+def leak_filter(suite: Suite, held_out: Iterable[Task] = ()) -> Callable[[str], bool]:
     """Whether a training row's text holds held-out material: a test or validation prompt, a test-only tool or a
-    test-only phrasing (validation chooses checkpoints and rolls back: trained on, it would measure recall)."""
+    test-only phrasing (validation chooses checkpoints and rolls back: trained on, it would measure recall), or
+    the prompt of a task of ``held_out`` (the gate's)."""
     markers = test_only_markers(suite)
     needles = [*markers["prompts"], *(t.prompt for t in suite.tasks("validation")), *markers["tools"],
-               *markers["phrasings"]]
+               *markers["phrasings"], *(t.prompt for t in held_out)]
     return lambda text: any(n in text for n in needles)
 
 

@@ -250,6 +250,12 @@ class Suite(ABC):
         """The split's tasks, always the same ones in the same order."""
 
     @abstractmethod
+    def draw(self, split: str, count: int, *, seed: int, min_faulted: int = 0) -> list[Task]:
+        """``count`` fresh tasks from ``split``'s templates, drawn with ``seed`` (the gate's tasks), at least
+        ``min_faulted`` of them with an injected fault where the split has faulted tasks; ``solve`` and
+        ``verify`` know them."""
+
+    @abstractmethod
     def registry(self) -> ToolRegistry:
         """Every tool any split offers, the test-only one included."""
 

@@ -45,7 +45,7 @@ from tools.builtin import calculator, sql_query
 from tools.context import ToolContext
 from tools.registry import ToolRegistry
 from training.tasks import services
-from training.tasks.base import FAULT_KINDS, Demonstration, Fault, Suite, Task, format_number
+from training.tasks.base import FAULT_KINDS, SPLITS, Demonstration, Fault, Suite, Task, format_number
 from training.tasks.units import CONVERT_UNITS, convert
 
 SEED = 20240611
@@ -75,6 +75,7 @@ SIZES: dict[str, dict[str, int]] = {
              "unit_conversion": 7, "service_lookup": 3, "service_search": 2, "service_quote": 2, "service_chain": 2,
              "service_recovery": 2, "service_decline": 1, "unseen_service": 10},
 }
+FAULTED_FAMILIES = ("recovery", "service_recovery")  # every task of these has an injected fault
 _ID_PREFIX = {"calculator": "calc", "sql_lookup": "sql", "chain": "chain", "cannot": "cannot", "recovery": "recovery",
               "aggregate": "aggregate", "unit_conversion": "convert", **services.ID_PREFIX}
 
@@ -435,9 +436,13 @@ def _held(name: str, validation: tuple[str, ...], test: tuple[str, ...]) -> str:
 class _Generator:
     """Draws every split's tasks in one fixed order from one seeded ``random.Random``."""
 
-    def __init__(self, seed: int) -> None:
-        self.rng = random.Random(seed)
+    def __init__(self, seed: int, stream: str | None = None) -> None:
+        """``stream``: a name for a draw of its own (e.g. the gate's), from random streams apart from the splits'
+        (the records and tools, drawn from ``seed`` alone, stay the same)."""
+        self.rng = random.Random(seed if stream is None else f"{seed}:{stream}")
         self.services = services.ServiceTasks(seed)
+        if stream is not None:
+            self.services.rng = random.Random(f"{seed}:services:{stream}")
         self.seen: set[str] = set()
         self.tasks: dict[str, list[Task]] = {}
         self.plans: dict[str, Plan] = {}
@@ -451,7 +456,11 @@ class _Generator:
                     tasks.append(self._task(split, family, i))
             self.tasks[split] = tasks
 
-    def _task(self, split: str, family: str, i: int) -> Task:
+    def draw(self, split: str, counts: dict[str, int], label: str) -> list[Task]:
+        """``counts`` tasks of each family from ``split``'s templates, their ids under ``tools/<label>/``."""
+        return [self._task(split, family, i, label) for family, count in counts.items() for i in range(count)]
+
+    def _task(self, split: str, family: str, i: int, label: str | None = None) -> Task:
         for _ in range(1000):
             drawn = self.services.draw(family, split, i) if family in services.FAMILIES else \
                 self._database_task(split, family, i)
@@ -460,7 +469,7 @@ class _Generator:
         else:  # pragma: no cover - the pools are far larger than the sizes
             raise RuntimeError(f"could not draw a fresh {family} prompt for {split}")
         self.seen.add(drawn.prompt)
-        task_id = f"tools/{split}/{_ID_PREFIX[family]}-{i:03d}"
+        task_id = f"tools/{label or split}/{_ID_PREFIX[family]}-{i:03d}"
         self.plans[task_id] = drawn.plan
         if drawn.alternatives:
             self.alternatives[task_id] = drawn.alternatives
@@ -633,6 +642,26 @@ class _Generator:
         return phrasing.format(v=v), round(convert(v, source, target), 6), plan, TEST_TOOL
 
 
+def _mix(sizes: dict[str, int], count: int, min_faulted: int) -> dict[str, int]:
+    """``count`` tasks shared among the families in proportion to ``sizes`` (largest remainders), the faulted
+    families' share raised to ``min_faulted`` when it is less."""
+    faulted = {f: n for f, n in sizes.items() if f in FAULTED_FAMILIES}
+    others = {f: n for f, n in sizes.items() if f not in FAULTED_FAMILIES}
+    share = round(count * sum(faulted.values()) / sum(sizes.values())) if faulted else 0
+    n_faulted = min(count, max(share, min_faulted)) if faulted else 0
+    return {**_shares(others, count - n_faulted), **_shares(faulted, n_faulted)}
+
+
+def _shares(weights: dict[str, int], total: int) -> dict[str, int]:
+    if not weights:
+        return {}
+    exact = {f: total * w / sum(weights.values()) for f, w in weights.items()}
+    counts = {f: int(x) for f, x in exact.items()}
+    for f in sorted(exact, key=lambda f: counts[f] - exact[f])[:total - sum(counts.values())]:
+        counts[f] += 1
+    return counts
+
+
 # -- the suite --------------------------------------------------------------------------------------
 
 
@@ -701,6 +730,20 @@ class ToolsSuite(Suite):
         demo = Demonstration(self.toolbox(task), task.prompt, retry=retry_arguments)
         await plan(demo)
         return demo.messages
+
+    def draw(self, split: str, count: int, *, seed: int, min_faulted: int = 0) -> list[Task]:
+        """``count`` fresh tasks from ``split``'s templates (its phrasings, records and tools), drawn with ``seed``
+        in the split's family mix, faulted families raised to ``min_faulted`` tasks in all. Ids are
+        ``tools/<split>-draw-<seed>/...``; no prompt is one of the train or validation split's. The suite can
+        solve and verify them like its own."""
+        self.check_split(split)
+        main = self._generate()
+        generator = _Generator(self.seed, stream=f"draw:{split}:{seed}")
+        generator.seen = {t.prompt for other in SPLITS if other != split for t in main.tasks[other]}
+        tasks = generator.draw(split, _mix(SIZES[split], count, min_faulted), f"{split}-draw-{seed}")
+        main.plans.update(generator.plans)
+        main.alternatives.update(generator.alternatives)
+        return tasks
 
     def test_only_phrasings(self) -> tuple[str, ...]:
         return test_only_fragments()

@@ -1,0 +1,49 @@
+"""One episode: a task of a suite run through the gateway's own agent loop on any backend, and its outcome.
+
+The evaluator runs episodes on the embedded backend; the gate's tests run the same function on scripted
+policies, so what the gate judges is what an evaluation measures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from gateway.agent.limits import Limits
+from gateway.agent.loop import AgentLoop, Profile, Recorder, RunState, StepRecord
+from gateway.backends.base import Backend
+from replay.records import new_id
+from training.metrics import Episode
+from training.tasks import Suite, Task
+
+EPISODE_LIMITS = Limits(max_steps=6, max_consecutive_tool_failures=3, max_repeats=3)
+
+# Makes (and starts) the recorder of one episode, e.g. a StoreRecorder that captures it into the store.
+RecorderFor = Callable[[Task, Profile, RunState], Awaitable[Recorder]]
+
+
+class _NoRecorder:
+    async def step(self, state: RunState, record: StepRecord) -> None:
+        pass
+
+
+async def run_episode(suite: Suite, task: Task, backend: Backend, *, model: str, max_tokens: int,
+                      temperature: float = 0.0, unseen_tools: frozenset[str] = frozenset(),
+                      recorder_for: RecorderFor | None = None,
+                      token_counter: Callable[..., int] | None = None) -> Episode:
+    """``task`` run once with ``suite``'s tools (its fault injected) and judged by its verifier. ``unseen_tools``:
+    the tools no train or validation task offers (``test_only_markers``), for ``unseen_tool_success_rate``."""
+    profile = Profile(name=suite.name, model=model, system_prompt=suite.system_prompt, tools=list(task.tools),
+                      limits=EPISODE_LIMITS, temperature=temperature, max_tokens=max_tokens)
+    state = RunState(run_id=new_id(), profile=profile.name,
+                     messages=[{"role": "system", "content": suite.system_prompt},
+                               {"role": "user", "content": task.prompt}])
+    recorder = await recorder_for(task, profile, state) if recorder_for else _NoRecorder()
+    loop = AgentLoop(profile=profile, backend=backend, toolbox=suite.toolbox(task), recorder=recorder, state=state,
+                     token_counter=token_counter)
+    state = await loop.run()
+    return Episode(
+        task_id=task.id, family=task.family, success=suite.verify(task, state.final, state.messages),
+        steps=state.budget.steps, tool_calls=state.tool_calls, invalid_calls=state.invalid_tool_calls,
+        needs_tools=task.family != "cannot", faulted=task.fault is not None, status=state.status,
+        termination_reason=state.termination_reason, final=state.final, run_id=state.run_id,
+        unseen_tools=bool(unseen_tools & set(task.tools)))
