@@ -10,8 +10,9 @@ comparison is paired: per task, the candidate's outcome minus the reference's. A
 - ``over <policy>``: the lower bound of the candidate's success rate (Wilson) is above the success rate
   of each trivial policy on the same tasks (``always_refuse``, ``never_call``: a model that only learnt to refuse
   or to guess must not pass, however weak the reference);
-- ``invalid-call rise``: the upper bound of the rise in the invalid-call rate (invalid calls over calls) is at
-  most ``invalid_call_rate``;
+- ``invalid-call rise``: the upper bound of the rise in the invalid-call rate (invalid calls over calls; a side
+  without calls counts 0, so against a reference that hardly calls a tool the candidate's own rate is bounded)
+  is at most ``invalid_call_rate``;
 - ``recovery drop``: pooled over the faulted tasks (at least ``min_faulted`` of them), the lower bound of the
   paired success difference is at least ``-recovery_rate``;
 - ``excess steps``: on the tasks both solved, steps beyond the solver's (fewer than the solver's count as none,
@@ -159,14 +160,19 @@ def _over_baselines(pairs: list[_Pair], baselines: dict[str, float], confidence:
 
 
 def _invalid_rise(pairs: list[_Pair], boot: dict[str, Any], margin: float) -> Check:
+    def calls(items: Sequence[_Pair], side: str) -> int:
+        return sum(e.tool_calls for p in items for e in getattr(p, side))
+
     def invalid_rate(items: Sequence[_Pair], side: str) -> float:
-        calls = sum(e.tool_calls for p in items for e in getattr(p, side))
-        return sum(e.invalid_calls for p in items for e in getattr(p, side)) / calls if calls else 0.0
+        made = calls(items, side)
+        return sum(e.invalid_calls for p in items for e in getattr(p, side)) / made if made else 0.0
 
     estimate, _, upper = paired_bootstrap(
         pairs, lambda items: invalid_rate(items, "candidate") - invalid_rate(items, "reference"), **boot)
+    # A side that made (almost) no calls has a rate that says little: resamples without its calls count it 0.
     return Check("invalid-call rise", invalid_rate(pairs, "reference"), invalid_rate(pairs, "candidate"), estimate,
-                 upper, "upper", margin, "≤", len(pairs), upper <= margin)
+                 upper, "upper", margin, "≤", len(pairs), upper <= margin,
+                 f"{calls(pairs, 'reference')} calls against {calls(pairs, 'candidate')}")
 
 
 def _recovery_drop(pairs: list[_Pair], boot: dict[str, Any], margin: float, min_faulted: int) -> Check:

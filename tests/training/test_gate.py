@@ -17,7 +17,7 @@ from tests.scripted import ScriptedBackend
 from training.episodes import EPISODE_LIMITS, run_episode
 from training.gate import Decision, baselines, decide, decision_table, solver_steps
 from training.metrics import Episode, Loss
-from training.tasks import Task
+from training.tasks import Task, leak_filter
 from training.tasks.adversarial import POLICIES
 from training.tasks.tools_suite import ToolsSuite
 
@@ -94,6 +94,10 @@ def test_the_gate_tasks_are_drawn_from_the_test_templates_with_enough_faults(ben
     assert again == tasks  # the fixed seed: the same tasks at every run
     assert ToolsSuite(bench.suite.data_dir).draw("test", 100, seed=1, min_faulted=20) != tasks
     assert {t.family for t in tasks} == {t.family for t in bench.suite.tasks("test")}
+    # replay-train's leak filter drops a training row that holds a gate prompt.
+    held_out = leak_filter(bench.suite, tasks)
+    assert all(held_out(f"user: {t.prompt}") for t in tasks)
+    assert not any(held_out(t.prompt) for t in bench.suite.tasks("train"))
     # Decline tasks stay under a tenth, so refusing everything stays a weak baseline.
     assert bench.baselines["always_refuse"] < 0.1 and bench.baselines["never_call"] == 0.0
 
@@ -131,6 +135,10 @@ def _mix(bench: Bench, episodes: dict, solved: Callable[[int, Task], bool], othe
     return [episodes["solver"][i] if solved(i, t) else episodes[other][i] for i, t in enumerate(bench.tasks)]
 
 
+def _solving_30(bench: Bench, episodes: dict) -> list[Episode]:
+    return _mix(bench, episodes, lambda i, _: i < 30)
+
+
 def test_an_improvement_within_noise_does_not_pass_and_a_clear_one_does(bench: Bench, episodes: dict) -> None:
     reference = _mix(bench, episodes, lambda i, _: i < 30)
     within = bench.decide(_mix(bench, episodes, lambda i, _: i < 32), reference)  # 2 more of 100
@@ -152,9 +160,13 @@ def test_more_invalid_calls_fail_even_with_more_successes(bench: Bench, episodes
 
     candidate = bench.run(sloppy)
     assert sum(e.success for e in candidate) > 90
-    decision = bench.decide(candidate, _mix(bench, episodes, lambda i, _: i < 30))
+    decision = bench.decide(candidate, _solving_30(bench, episodes))
     assert checks(decision) == {**checks(decision), "success gain": True, "invalid-call rise": False}
     assert not decision.passed
+    invalid = next(c for c in decision.checks if c.name == "invalid-call rise")
+    made = sum(e.tool_calls for e in candidate)
+    assert invalid.note == f"{sum(e.tool_calls for e in _solving_30(bench, episodes))} calls against {made}"
+
 
 
 def test_recovery_is_judged_pooled_over_the_faulted_tasks(bench: Bench, episodes: dict) -> None:
