@@ -175,12 +175,17 @@ class GateSettings(Section):
 class RLSettings(Section):
     """Group-relative RL on LoRA (``replay-train --mode rl|sft+rl``): rollouts, the update, validation."""
 
-    algorithm: Literal["grpo", "rloo"] = Field("grpo", description="How a group's rewards become advantages: "
-                                               "grpo (mean and std of the group) or rloo (leave-one-out mean).")
+    algorithm: Literal["grpo", "rloo"] = Field("rloo", description="How a group's rewards become advantages: "
+                                               "rloo (reward minus the mean of the others: unscaled) or grpo "
+                                               "(scaled by the group's std, so a tiny spread among failures "
+                                               "weighs as much as success against failure).")
+    outcome: Literal["success", "total"] = Field("success", description="A trajectory's outcome reward: its "
+                                                 "verified task success where known (else the reward total), or "
+                                                 "the reward engine's total (validity and efficiency included).")
     steps: int = Field(20, ge=0, description="Online steps: each rolls out a batch of groups and updates on it "
                        "(0: only the captured groups the filters select).")
     tasks_per_step: int = Field(8, gt=0, description="Tasks (groups) per step, chosen of similar difficulty.")
-    group_size: int = Field(4, ge=2, description="Rollouts per task in a group.")
+    group_size: int = Field(8, ge=2, description="Rollouts per task in a group.")
     temperature: float = Field(1.0, gt=0, le=2, description="Sampling temperature of the rollouts.")
     fault_rate: float = Field(0.2, ge=0, le=1, description="Share of groups whose tools get an injected fault "
                               "(timeout, empty result or error) on their first call, so recovery is practised.")
@@ -189,9 +194,11 @@ class RLSettings(Section):
     updates_per_batch: int = Field(1, gt=0, description="Optimizer steps on each batch of rollouts; beyond the "
                                    "first the clipped importance ratio keeps the policy near the rollouts'.")
     clip: float = Field(0.2, gt=0, lt=1, description="Importance ratios are clipped to [1 - clip, 1 + clip].")
-    kl_coef: float = Field(0.04, ge=0, description="Weight of the KL penalty to the base model (adapter off).")
-    process_coef: float = Field(0.5, ge=0, description="Weight of each step's own process reward (normalised "
-                                "within the group) beside the trajectory's advantage.")
+    kl_coef: float = Field(0.04, ge=0, description="Weight of the KL penalty to the policy RL starts from (frozen; "
+                           "the base when it starts from a fresh adapter).")
+    process_coef: float = Field(0.0, ge=0, description="Weight of each step's own process reward (normalised "
+                                "within the group) beside the trajectory's advantage; 0: validity guards (the "
+                                "reward-hacking alarm), it is not a reward to farm.")
     eval_every: int = Field(5, gt=0, description="Steps between validations (each saves a checkpoint).")
     validation_tasks: int = Field(0, ge=0, description="Validation tasks per validation, spread over the split "
                                   "(0: all of it).")

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +52,7 @@ from training.references import ReferenceCache, reference_report
 from training.rl import Group, RLConfig, similar_batches, train_rl
 from training.rollouts import Rollouts, groups_from_store
 from training.sft import SFTConfig, load_base, train_sft
+from training.stages import Stages
 from training.tasks import Suite, Task, get_suite, leak_filter
 
 MODES = ("sft", "rl", "sft+rl")
@@ -84,12 +84,9 @@ async def replay_train(settings: Settings, filters: Filters, *, mode: str = "sft
     run_dir = Path(training.output_dir) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True, exist_ok=True)
     outcome = Outcome(run_dir=run_dir)
-    started = time.perf_counter()
+    stage = Stages(console)
     gate = training.gate
     gate_tasks = suite.draw("test", gate.tasks, seed=gate.seed, min_faulted=gate.min_faulted)
-
-    def stage(label: str, detail: str) -> None:
-        console.print(f"[bold]{label:<9}[/bold] {detail}  [dim]({time.perf_counter() - started:.0f} s)[/dim]")
 
     # -- select and reward --------------------------------------------------------------------------------
     unbounded = dataclasses.replace(filters, min_reward=None, max_reward=None)
@@ -100,12 +97,12 @@ async def replay_train(settings: Settings, filters: Filters, *, mode: str = "sft
         if not selected and (mode != "rl" or not training.rl.steps):
             raise ReplayTrainError("no trajectories match the filters; capture some first "
                                    "(harness tasks capture) or widen the filters")
-        stage("select", f"{len(selected)} trajectories")
+        stage("select", f"{len(selected)} trajectories", trajectories=len(selected))
         if selected:
             summary = await recompute(store, unbounded, settings.rewards,
                                       step_limits=step_limits(settings.profiles))
             mean = "-" if summary.mean_reward is None else f"{summary.mean_reward:.3f}"
-            stage("reward", f"{summary.count} scored, mean reward {mean}")
+            stage("reward", f"{summary.count} scored, mean reward {mean}", trajectories=summary.count)
     finally:
         await store.close()
 
@@ -135,8 +132,8 @@ async def replay_train(settings: Settings, filters: Filters, *, mode: str = "sft
         before, cached = await reference_report(evaluator, ReferenceCache(Path(training.output_dir) / "references"),
                                                 suite, gate_tasks, reference, training, label=reference_label,
                                                 general=general.losses)
-        if cached:
-            stage("reference", f"{reference_label}: its gate report from the cache")
+        stage("reference", f"{reference_label}: its gate report " + ("from the cache" if cached else
+              f"evaluated on {len(gate_tasks)} gate tasks"), episodes=0 if cached else len(before.episodes))
         # What RL started from gets its own column when it is neither the reference nor the candidate.
         columns = [(start, "before RL")] if "rl" in mode and start not in (None, reference, candidate) else []
         columns.append((candidate, f"{name} (candidate)"))
@@ -144,20 +141,22 @@ async def replay_train(settings: Settings, filters: Filters, *, mode: str = "sft
                                                              samples=gate.samples, temperature=gate.temperature,
                                                              general=general.losses, label=label)
                               for model, label in columns]
+        stage("evaluate", ", ".join(f"{r.model}: success {r.metrics['success_rate']:.0%}" for r in reports[1:]),
+              episodes=sum(len(r.episodes) for r in reports[1:]))
     before, after = reports[0], reports[-1]
     decision = decide(after, before, baselines=baselines(suite, gate_tasks),
                       solver_steps=await solver_steps(suite, gate_tasks), gate=gate)
     outcome.decision = decision
     title = f"{suite.name} / {len(gate_tasks)} gate tasks (seed {gate.seed}): before and after"
     write_reports(reports, run_dir, title=title)
-    stage("test", decision.summary())
+    stage("gate", decision.summary())
 
     # -- register and publish ------------------------------------------------------------------------------------
     metrics: dict[str, Any] = {"mode": mode, "test": after.metrics,
                                "reference": {"model": reference_label, **before.metrics},
                                "validation": validation, "gate": decision.as_dict(), "run_dir": str(run_dir),
                                "checkpoint": str(candidate.relative_to(run_dir)) if candidate.is_relative_to(run_dir)
-                               else str(candidate)}
+                               else str(candidate), "stages": stage.records}
     if len(reports) == 3:
         metrics["before_rl"] = {"model": reports[1].model, **reports[1].metrics}
     if rl_summary is not None:
@@ -178,16 +177,17 @@ async def replay_train(settings: Settings, filters: Filters, *, mode: str = "sft
         stage("register", f"{version.backend_name} ({version.status}) in {settings.store.path}"
               + ("; not published: the gate refused it" if publish else ""))
 
+    # The registry holds the stages up to the gate (its numbers go up with the version); the run folder all of them.
+    (run_dir / "stages.json").write_bytes(orjson.dumps(stage.records, option=orjson.OPT_INDENT_2))
     console.print(report_table(reports, title))
     console.print(decision_table(decision, before.model, after.model))
+    console.print(stage.table())
     return outcome
 
 
-Stage = Callable[[str, str], None]
-
 
 async def _sft(settings: Settings, filters: Filters, suite: Suite, gate_tasks: list[Task], general: GeneralCheck,
-               evaluator: Evaluator, out: Path, stage: Stage) -> tuple[Path, dict[str, Any]]:
+               evaluator: Evaluator, out: Path, stage: Stages) -> tuple[Path, dict[str, Any]]:
     """Build, train (into ``out``) and validate: the best SFT checkpoint and its validation metrics."""
     training = settings.training
     tokenizer = await asyncio.to_thread(load_tokenizer, training.model_path)
@@ -203,22 +203,23 @@ async def _sft(settings: Settings, filters: Filters, suite: Suite, gate_tasks: l
                     general_share=training.general_share, seed=training.seed)
     stage("build", f"{len(rows)} rows: {len(task_rows)} from {stats.trajectories} trajectories ({stats.merged} "
                    f"as one row, {stats.recovered} recovered, {stats.masked} turns with invalid calls masked, "
-                   f"{stats.excluded} dropped for test-split material), general share {training.general_share:.0%}")
+                   f"{stats.excluded} dropped for test-split material), general share {training.general_share:.0%}",
+          rows=len(rows))
 
     result = await asyncio.to_thread(train_sft, training.model_path, rows, SFTConfig.from_settings(training), out)
     result.model = None  # the evaluator has its own copy of the base; free the training one
-    stage("train", f"{len(result.checkpoints)} checkpoints, {result.tokens:,} tokens in {result.seconds:.0f} s "
-                   f"({result.tokens_per_second:,.0f} tokens/s)")
+    stage("sft", f"{len(result.checkpoints)} checkpoints, {result.tokens:,} tokens in {result.seconds:.0f} s "
+                   f"({result.tokens_per_second:,.0f} tokens/s)", tokens=result.tokens)
     validation = [await evaluator.evaluate(suite.name, "validation", checkpoint, label=checkpoint.name)
                   for checkpoint in result.checkpoints]
     best = max(range(len(validation)), key=lambda i: rank(validation[i].metrics))
     stage("validate", ", ".join(f"{r.model}: success {r.metrics['success_rate']:.0%}" for r in validation)
-          + f" → {result.checkpoints[best].name}")
+          + f" → {result.checkpoints[best].name}", episodes=sum(len(r.episodes) for r in validation))
     return result.checkpoints[best], validation[best].metrics
 
 
 async def _rl(settings: Settings, selected: list[str], start: Path | None, evaluator: Evaluator, run_dir: Path,
-              stage: Stage) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+              stage: Stages) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     """Captured groups first, then online rollouts: the best checkpoint on validation, its metrics, a summary."""
     training, rl = settings.training, settings.training.rl
     suite = get_suite(training.suite, data_dir=training.tasks_dir)
@@ -229,7 +230,7 @@ async def _rl(settings: Settings, selected: list[str], start: Path | None, evalu
     try:
         captured, stats = await groups_from_store(
             store, selected, signal_weights(settings.rewards), base_model=training.base_model,
-            step_limits=step_limits(settings.profiles))
+            step_limits=step_limits(settings.profiles), outcome=rl.outcome)
         captured = [g for g in captured if g.task_id not in test_tasks]
         stage("groups", stats.describe())
         batches = similar_batches(captured, rl.tasks_per_step, training.seed)
@@ -266,7 +267,8 @@ async def _rl(settings: Settings, selected: list[str], start: Path | None, evalu
                 f"{rollouts.seconds:.0f} s, "
                 f"{result.tokens:,} tokens in {result.seconds:.0f} s ({result.tokens_per_second:,.0f} tokens/s), "
                 f"{result.rollbacks} rollbacks" + (f", stopped: {result.stopped}" if result.stopped else "")
-                + f" → {result.best.name}")
+                + f" → {result.best.name}",
+          tokens=result.tokens, episodes=rollouts.episodes)
     summary = {"steps": len(result.history), "captured_steps": len(batches), "best_step": result.best_step,
                "stopped": result.stopped, "rollbacks": result.rollbacks, "groups": result.groups,
                "flat_groups": result.flat_groups, "rollouts": rollouts.episodes,

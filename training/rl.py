@@ -5,16 +5,18 @@ one task through the agent loop (``training/rollouts.py``). Each model call of a
 exact prompt ids the model saw, the completion ids it wrote and their log-probabilities under the policy that
 wrote them, all as captured (never re-tokenised text). One step:
 
-1. Advantages. Each trajectory's reward (the reward engine's total) against its group: GRPO
-   ``(r - mean) / (std + eps)`` (sample std), RLOO ``r - mean of the others``. A group whose rewards are all equal
-   has no spread: its outcome advantages are 0; it is counted (``flat_groups``), not hidden. To that,
-   ``process_coef`` times the step's own process reward (the weighted per-step signals, e.g. validity and the
-   illegal-action penalty, normalised over all the group's scored steps) is added, so the step that earned a
-   reward gets the credit. Every completion token of a step carries its step's advantage.
+1. Advantages. Each trajectory's outcome reward (its verified success where known, else the reward engine's
+   total; ``[training.rl] outcome``) against its group: RLOO ``r - mean of the others`` (the default: unscaled, so
+   success against failure weighs what it is), or GRPO ``(r - mean) / (std + eps)`` (sample std). A group whose
+   rewards are all equal has no spread: its outcome advantages are 0; it is counted (``flat_groups``), not hidden.
+   To that, ``process_coef`` (default 0) times the step's own process reward (the weighted per-step signals, e.g.
+   validity and the illegal-action penalty, normalised over all the group's scored steps) is added, so the step
+   that earned a reward gets the credit. Every completion token of a step carries its step's advantage.
 2. Loss per completion token: ``-min(ρA, clip(ρ, 1 - ε, 1 + ε)A) + β·KL`` where ``ρ = exp(log π_T - log π_rollout)``
    compares the policy at the rollout's temperature T with the log-probabilities the tokens were sampled with (as
    captured), and KL is the ``k3`` estimator ``exp(q - p) - (q - p) - 1`` of the policy itself (temperature 1)
-   against the reference: the same model with the adapter switched off (the base). The batch's loss is the mean
+   against the reference: the policy RL started from, frozen (the base with the starting adapter merged in), or
+   for a fresh adapter the same model with the adapter switched off (the base). The batch's loss is the mean
    over all its completion tokens (micro-batches weighted by their token share).
 3. AdamW on the LoRA parameters, gradients clipped to norm 1; ``updates_per_batch`` optimizer steps per batch.
 
@@ -33,6 +35,7 @@ weights; CPU in float32.
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import shutil
@@ -115,7 +118,7 @@ class Group:
 # -- advantages ------------------------------------------------------------------------------------------
 
 
-def group_advantages(rewards: Sequence[float], algorithm: Literal["grpo", "rloo"] = "grpo") -> list[float]:
+def group_advantages(rewards: Sequence[float], algorithm: Literal["grpo", "rloo"] = "rloo") -> list[float]:
     """Each reward against its group: GRPO normalises by the group's mean and sample std, RLOO subtracts the mean of
     the others. A group of one, or without spread, has advantages 0."""
     n = len(rewards)
@@ -230,10 +233,24 @@ def policy_logprobs(model: torch.nn.Module, batch: RLBatch) -> tuple[torch.Tenso
 
 
 @torch.no_grad()
-def reference_logprobs(model: PeftModel, batch: RLBatch) -> torch.Tensor:
-    """The same log-probabilities under the base model: the adapter switched off."""
+def reference_logprobs(model: PeftModel, batch: RLBatch, reference: torch.nn.Module | None = None) -> torch.Tensor:
+    """The same log-probabilities under the KL reference: ``reference`` (the frozen policy RL started from) when
+    given, else the model with its adapter switched off (the base, for a run that starts from a fresh adapter)."""
+    if reference is not None:
+        return token_logprobs(reference, batch)
     with model.disable_adapter():
         return token_logprobs(model, batch)
+
+
+def start_reference(base: torch.nn.Module, init_adapter: Path) -> torch.nn.Module:
+    """A frozen copy of the policy RL starts from: the base with ``init_adapter`` merged in. KL to it keeps RL near
+    that policy; KL to the bare base would pull an SFT adapter back towards the base."""
+    from peft import PeftModel
+
+    merged = PeftModel.from_pretrained(copy.deepcopy(base), str(init_adapter)).merge_and_unload()
+    merged.eval()
+    merged.requires_grad_(False)
+    return merged
 
 
 @dataclass
@@ -264,8 +281,10 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs
 
 
 def update(model: PeftModel, samples: Sequence[Sample], optimizer: torch.optim.Optimizer, *, pad_id: int,
-           batch_size: int, clip: float, kl_coef: float, max_grad_norm: float = 1.0) -> dict[str, float]:
-    """One optimizer step on ``samples``: the mean loss over all their completion tokens."""
+           batch_size: int, clip: float, kl_coef: float, max_grad_norm: float = 1.0,
+           reference: torch.nn.Module | None = None) -> dict[str, float]:
+    """One optimizer step on ``samples``: the mean loss over all their completion tokens. ``reference``: the KL
+    reference (``reference_logprobs``)."""
     params = [p for p in model.parameters() if p.requires_grad]
     device = params[0].device
     total = sum(len(s.completion_ids) for s in samples)
@@ -280,15 +299,15 @@ def update(model: PeftModel, samples: Sequence[Sample], optimizer: torch.optim.O
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logprobs, own = policy_logprobs(model, batch)
             # Without a KL term the reference pass (a third of the step's work) would be thrown away.
-            reference = reference_logprobs(model, batch) if kl_coef else own.detach()
-        parts = policy_loss(logprobs, batch.old_logprobs, reference, batch.advantages, batch.mask, clip=clip,
+            ref_logprobs = reference_logprobs(model, batch, reference) if kl_coef else own.detach()
+        parts = policy_loss(logprobs, batch.old_logprobs, ref_logprobs, batch.advantages, batch.mask, clip=clip,
                             kl_coef=kl_coef, model_logprobs=own)
         (parts.loss / total).backward()
         sums["loss"] += float(parts.loss.detach()) / total
         sums["kl"] += parts.kl
         sums["ratio"] += parts.ratio
         sums["clipped"] += parts.clipped
-        del logprobs, own, reference, parts
+        del logprobs, own, ref_logprobs, parts
     torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -353,6 +372,9 @@ def train_rl(loaded: LoadedModel, config: RLConfig, out_dir: Path, *, steps: int
     tokenizer = loaded.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # Copied before the policy's adapter is put into the base's modules.
+    reference = start_reference(loaded.model, init_adapter).to(device) if init_adapter and config.rl.kl_coef \
+        else None
     model = _policy(loaded, config, init_adapter).to(device)
     train_mode(model, config.lora.gradient_checkpointing)
     # Rollouts serve each checkpoint with the rendering its folder records: the one the policy started from.
@@ -390,7 +412,8 @@ def train_rl(loaded: LoadedModel, config: RLConfig, out_dir: Path, *, steps: int
         if samples:
             for _ in range(config.rl.updates_per_batch):
                 stats = update(model, samples, optimizer, pad_id=pad_id, batch_size=config.rl.batch_size,
-                               clip=config.rl.clip, kl_coef=config.rl.kl_coef, max_grad_norm=config.max_grad_norm)
+                               clip=config.rl.clip, kl_coef=config.rl.kl_coef, max_grad_norm=config.max_grad_norm,
+                               reference=reference)
                 result.tokens += int(stats["tokens"])
                 result.seconds += stats["seconds"]
             line.update(stats)

@@ -4,8 +4,10 @@
 samples of one request), else a task id (several attempts at one task). Each model call becomes a sample from
 its captured prompt ids, completion ids and log-probabilities; a call recorded without them (another backend, an
 import) cannot be trained on exactly and is left out, as is a trajectory of another base model; a trajectory
-without siblings gives no comparison. All of these are counted (``GroupStats``). Rewards are the reward engine's
-(``[rewards]``), scored afresh; each step's process reward is the weighted sum of the signals that credit steps.
+without siblings gives no comparison. All of these are counted (``GroupStats``). Rewards are scored afresh by the
+reward engine (``[rewards]``); a trajectory's outcome reward is its verified task success where the verifier (or a
+user) spoke, else the total (``[training.rl] outcome``); each step's process reward is the weighted sum of the
+signals that credit steps.
 
 ``Rollouts`` makes new groups: each step it picks tasks of similar difficulty from the suite's train split
 (``TaskPicker``), injects a tool fault into some of them (``fault_rate``), runs ``group_size`` episodes of each
@@ -21,6 +23,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import structlog
 
@@ -57,9 +60,11 @@ class GroupStats:
 
 
 async def groups_from_store(store: TrajectoryStore, ids: list[str], rewards: Mapping[str, float], *, base_model: str,
-                            step_limits: Mapping[str, int] | None = None,
-                            save_rewards: bool = False) -> tuple[list[Group], GroupStats]:
-    """The groups the trajectories ``ids`` form (see the module doc); ``save_rewards`` also stores their scores."""
+                            step_limits: Mapping[str, int] | None = None, save_rewards: bool = False,
+                            outcome: Literal["success", "total"] = "success") -> tuple[list[Group], GroupStats]:
+    """The groups the trajectories ``ids`` form (see the module doc); ``save_rewards`` also stores their scores.
+    ``outcome``: each trajectory's reward is its verified success where known (``success``; else the total), or the
+    reward engine's total (``total``)."""
     stats = GroupStats()
     members: dict[str, list[Trajectory]] = {}
     task_of: dict[str, str | None] = {}
@@ -97,9 +102,10 @@ async def groups_from_store(store: TrajectoryStore, ids: list[str], rewards: Map
         if key is None:
             stats.without_siblings += 1
             continue
-        members.setdefault(key, []).append(Trajectory(id=tid, reward=result.total, samples=samples,
-                                                      step_rewards=step_rewards,
-                                                      success=result.signals.get("task_success")))
+        success = result.signals.get("task_success")
+        reward = success if outcome == "success" and success is not None else result.total
+        members.setdefault(key, []).append(Trajectory(id=tid, reward=reward, samples=samples,
+                                                      step_rewards=step_rewards, success=success))
         task_of[key] = stored.task_id
     if statements:
         await store.write(WriteOp(statements=statements))
@@ -200,7 +206,7 @@ class Rollouts:
         self.picker.observe(episodes)
         groups, stats = await groups_from_store(
             self.store, [e.run_id for e in episodes], self.weights, base_model=self.settings.training.base_model,
-            step_limits=self.step_limits, save_rewards=True)
+            step_limits=self.step_limits, save_rewards=True, outcome=self.rl.outcome)
         for name, value in dataclasses.asdict(stats).items():
             setattr(self.stats, name, getattr(self.stats, name) + value)
         self.episodes += len(episodes)

@@ -81,6 +81,16 @@ def test_replay_train_selects_trains_validates_gates_and_registers(settings: Set
     before, after = orjson.loads((run / "eval.json").read_bytes())
     assert before["split"] == after["split"] == "gate" and len(after["episodes"]) == settings.training.gate.tasks
     assert stored["gate"]["tasks"] == 100 and len(stored["gate"]["checks"]) == 7
+    # Each stage's wall time and what it processed, with the version and (with register too) in the run folder.
+    stages = stored["stages"]
+    assert [s["stage"] for s in stages] == ["select", "reward", "build", "sft", "validate", "reference", "evaluate",
+                                            "gate"]
+    assert all(s["seconds"] >= 0 for s in stages)
+    by_name = {s["stage"]: s for s in stages}
+    assert by_name["build"]["rows"] > 344 and by_name["sft"]["tokens"] > 0
+    assert by_name["validate"]["episodes"] == 2 * 44 and by_name["evaluate"]["episodes"] == 100
+    assert by_name["reference"]["episodes"] == 100  # evaluated: nothing cached yet
+    assert [s["stage"] for s in orjson.loads((run / "stages.json").read_bytes())][-1] == "register"
 
 
 def test_publish_registers_publishes_and_promotes_on_a_running_gateway(capitals: Settings, tmp_path: Path,

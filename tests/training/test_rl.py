@@ -18,6 +18,7 @@ import torch
 from gateway.backends.local.adapters import read_rendering
 from gateway.backends.local_model import LoadedModel, load_model
 from gateway.config import RLSettings
+from tests.models import random_lora
 from training.rl import (
     Group,
     RLConfig,
@@ -30,6 +31,7 @@ from training.rl import (
     process_advantages,
     reference_logprobs,
     similar_batches,
+    start_reference,
     token_logprobs,
     train_rl,
     update,
@@ -157,6 +159,30 @@ def test_the_kl_reference_is_the_model_with_its_adapter_switched_off(loaded: Loa
     assert torch.allclose(reference, base, atol=1e-5)
     assert not torch.allclose(adapted, base, atol=1e-3)  # the adapter does change the policy
     assert torch.allclose(token_logprobs(model, batch).detach(), adapted)  # and is back on afterwards
+
+
+def test_the_kl_reference_of_a_run_from_an_adapter_is_that_adapter_frozen(loaded: LoadedModel, tiny_model_dir: Path,
+                                                                         tmp_path: Path) -> None:
+    from peft import PeftModel
+
+    start = random_lora(tiny_model_dir, tmp_path / "start", seed=3, scale=0.5)
+    reference = start_reference(load_model(str(tiny_model_dir)).model, start)
+    model = PeftModel.from_pretrained(loaded.model, str(start), is_trainable=True)
+    batch = collate([Sample(PROMPT, [7, 8, 9, 10], [0.0] * 4, seq=0)], pad_id=0)
+    with torch.no_grad():
+        policy = token_logprobs(model, batch)
+        base = reference_logprobs(model, batch)
+    # At the start the policy is its reference: no KL to pay for what SFT taught.
+    assert torch.allclose(reference_logprobs(model, batch, reference), policy, atol=1e-5)
+    assert not torch.allclose(base, policy, atol=1e-3)
+    # Training moves the policy, never the frozen reference.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.add_(0.5)
+        assert not torch.allclose(token_logprobs(model, batch), policy, atol=1e-3)
+    assert torch.allclose(reference_logprobs(model, batch, reference), policy, atol=1e-5)
+    assert not any(p.requires_grad for p in reference.parameters())
 
 
 def test_the_importance_ratio_is_against_the_captured_logprobs(loaded: LoadedModel) -> None:

@@ -99,7 +99,11 @@ async def test_groups_from_the_store_count_what_they_cannot_use_and_credit_each_
     assert group.key == "g1" and group.task_id == "t1" and not group.flat
     by_id = {t.id: t for t in group.trajectories}
     assert by_id[solved].success == 1.0 and by_id[failed].success == 0.0
-    assert by_id[solved].reward > by_id[failed].reward
+    # The outcome is the verified success; the reward engine's total (validity, efficiency) only when asked for.
+    assert (by_id[solved].reward, by_id[failed].reward) == (1.0, 0.0)
+    (totals,), _ = await groups_from_store(store, [solved, failed], weights, base_model="base-m", outcome="total")
+    by_total = {t.id: t.reward for t in totals.trajectories}
+    assert by_total[solved] > 1.0 and by_total[failed] < 0.0
     assert [s.seq for s in by_id[solved].samples] == [0, 1]
     # the importance ratio's side: the log-probabilities the tokens were sampled with, at the call's temperature
     first = by_id[solved].samples[0]
