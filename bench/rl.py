@@ -41,7 +41,8 @@ import torch  # noqa: E402
 from bench import sections  # noqa: E402
 from gateway.backends.local_model import load_model, load_tokenizer  # noqa: E402
 from tests.models import tiny_llama  # noqa: E402
-from training.rl import Sample, collate, token_logprobs, update  # noqa: E402
+from training.groups import Sample  # noqa: E402
+from training.rl import collate, token_logprobs, update  # noqa: E402
 from training.sft import SFTConfig, wrap_lora  # noqa: E402
 
 

@@ -172,6 +172,19 @@ class GateSettings(Section):
         return self
 
 
+class ExpertSettings(Section):
+    """Expert iteration after SFT (``replay-train --mode sft|sft+rl``): the model's own verified, clean episodes on
+    the train tasks it does not yet solve every time, trained on, round after round."""
+
+    rounds: int = Field(0, ge=0, description="Rounds after SFT (0: none).")
+    tasks: int = Field(64, gt=0, description="Train tasks each round samples (in turn through the split).")
+    samples: int = Field(4, ge=2, description="Episodes per task and round; a task all of them solve is left "
+                         "out (nothing left to learn there).")
+    temperature: float = Field(0.7, gt=0, le=2, description="Sampling temperature of the episodes.")
+    epochs: float = Field(2.0, gt=0, description="Passes over a round's kept episodes (with general rows mixed in "
+                          "at ``general_share``).")
+
+
 class RLSettings(Section):
     """Group-relative RL on LoRA (``replay-train --mode rl|sft+rl``): rollouts, the update, validation."""
 
@@ -248,6 +261,7 @@ class TrainingSettings(Section):
     eval_max_tokens: int = Field(160, gt=0, description="Most tokens the model may write per step in an evaluation "
                                  "episode.")
     gate: GateSettings = Field(default_factory=GateSettings)
+    expert: ExpertSettings = Field(default_factory=ExpertSettings)
     rl: RLSettings = Field(default_factory=RLSettings)
 
 

@@ -37,6 +37,7 @@ class Filters:
     task: str | None = None
     group: str | None = None
     tenant: str | None = None
+    ids: tuple[str, ...] | None = None  # these trajectories only (the Python API: e.g. the episodes a round kept)
 
     def where(self, alias: str = "t") -> tuple[str, list[Any]]:
         """A SQL condition over the ``trajectories`` table (as ``alias``) and its arguments."""
@@ -72,8 +73,11 @@ class Filters:
             add(f"{p}group_id = ?", self.group)
         if self.tenant is not None:
             add(f"{p}tenant = ?", self.tenant)
+        if self.ids is not None:
+            add(f"{p}id IN ({', '.join('?' * len(self.ids))})" if self.ids else "0", *self.ids)
         return (" AND ".join(clauses) or "1"), args
 
     @classmethod
     def names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+        """The filters the replay commands offer as flags (every field but ``ids``)."""
+        return [f.name for f in fields(cls) if f.name != "ids"]

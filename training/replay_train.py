@@ -11,6 +11,9 @@
 4. train (sft): LoRA SFT (``[training]``), ``checkpoints`` evenly spaced checkpoints;
 5. validate (sft): every checkpoint on the suite's validation split; the best (success, then valid calls, then
    fewer invalid calls) is the candidate;
+5b. expert iteration (sft, sft+rl; ``training/expert.py``, ``[training.expert] rounds``): the candidate's own
+   verified, clean episodes on train tasks it does not always solve, trained on from it; a round's checkpoint
+   replaces the candidate when validation ranks it higher;
 6. RL (rl, sft+rl; ``training/rl.py``): from the SFT candidate, or ``--init``, or the adapter's active version:
    the selected trajectories' groups with captured log-probabilities first, then ``[training.rl] steps`` of
    online rollouts; validation keeps the best checkpoint, rolls back, or stops the run on the reward-hacking alarm;
@@ -45,11 +48,13 @@ from replay.rewards import recompute, signal_weights, step_limits
 from replay.store import TrajectoryStore
 from training import data, general_data
 from training.evaluate import Evaluator, report_table, write_reports
+from training.expert import expert_iteration
 from training.gate import Decision, baselines, decide, decision_table, solver_steps
 from training.general import GeneralCheck
+from training.groups import Group, similar_batches
 from training.metrics import rank
 from training.references import ReferenceCache, reference_report
-from training.rl import Group, RLConfig, similar_batches, train_rl
+from training.rl import RLConfig, train_rl
 from training.rollouts import Rollouts, groups_from_store
 from training.sft import SFTConfig, load_base, train_sft
 from training.stages import Stages
@@ -111,10 +116,15 @@ async def replay_train(settings: Settings, filters: Filters, *, mode: str = "sft
     reference = Path(active.path) if active else None
     reference_label = active.backend_name if active else "base"
     general = GeneralCheck(training)
+    expert_rounds: list[dict[str, Any]] | None = None
     async with Evaluator(training) as evaluator:
         if "sft" in mode:
             candidate, validation = await _sft(settings, filters, suite, gate_tasks, general, evaluator,
                                                run_dir / "sft" if "rl" in mode else run_dir, stage)
+            if training.expert.rounds:
+                candidate, validation, expert_rounds = await expert_iteration(
+                    settings, suite, evaluator, general, candidate, validation, run_dir / "expert",
+                    exclude=leak_filter(suite, gate_tasks), stage=stage)
         else:
             candidate = None if init == "base" else Path(init) if init else reference
             validation = {}
@@ -159,6 +169,8 @@ async def replay_train(settings: Settings, filters: Filters, *, mode: str = "sft
                                else str(candidate), "stages": stage.records}
     if len(reports) == 3:
         metrics["before_rl"] = {"model": reports[1].model, **reports[1].metrics}
+    if expert_rounds is not None:
+        metrics["expert"] = expert_rounds
     if rl_summary is not None:
         metrics["rl"] = rl_summary
     if publish and decision.passed:

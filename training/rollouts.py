@@ -36,8 +36,8 @@ from replay.store import TrajectoryStore
 from replay.vocabulary import CALL_OK, ROLLOUT
 from training.capture import label_episodes, store_recorder
 from training.evaluate import Evaluator
+from training.groups import Group, Sample, Trajectory
 from training.metrics import Episode
-from training.rl import Group, Sample, Trajectory
 from training.tasks import Fault, Task, get_suite
 from training.tasks.base import FAULT_KINDS
 

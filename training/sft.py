@@ -176,6 +176,17 @@ def wrap_lora(model: torch.nn.Module, config: SFTConfig) -> PeftModel:
     return peft_model
 
 
+def lora_policy(model: torch.nn.Module, config: SFTConfig, init_adapter: Path | None = None) -> PeftModel:
+    """The adapter to train: ``init_adapter``'s weights when given (training goes on from it), else a fresh one."""
+    if init_adapter is None:
+        return wrap_lora(model, config)
+    from peft import PeftModel
+
+    peft_model = PeftModel.from_pretrained(model, str(init_adapter), is_trainable=True)
+    peft_model.peft_config["default"].base_model_name_or_path = config.base_model
+    return peft_model
+
+
 def train_mode(model: torch.nn.Module, gradient_checkpointing: bool) -> None:
     """Training mode; with ``gradient_checkpointing`` each decoder layer keeps only its input for the backward pass
     (the activations of a batch of long rows are most of the memory training takes)."""
@@ -190,12 +201,13 @@ def train_mode(model: torch.nn.Module, gradient_checkpointing: bool) -> None:
 
 def train_sft(base_model_path: str | None, examples: list[Example], config: SFTConfig, out_dir: Path, *,
               validate: Validate | None = None, on_checkpoint: OnCheckpoint | None = None,
-              loaded: LoadedModel | None = None) -> SFTResult:
+              loaded: LoadedModel | None = None, init_adapter: Path | None = None) -> SFTResult:
     """Train a LoRA adapter on ``examples``; checkpoints, ``metrics.jsonl`` and ``loss.png`` go under ``out_dir``.
 
     ``base_model_path`` is what ``load_model`` takes (None: the embedded model); ``loaded`` skips loading (its model
     is wrapped in place). ``validate(checkpoint)`` returns metrics recorded beside the step's;
     ``on_checkpoint(checkpoint, metrics)`` is told of each checkpoint once it is saved and validated.
+    ``init_adapter``: go on training that adapter (its rank and targets) instead of a fresh one.
     """
     if not examples:
         raise ValueError("no examples to train on")
@@ -206,7 +218,7 @@ def train_sft(base_model_path: str | None, examples: list[Example], config: SFTC
     tokenizer = loaded.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = wrap_lora(loaded.model, config).to(device)
+    model = lora_policy(loaded.model, config, init_adapter).to(device)
     train_mode(model, config.gradient_checkpointing)
 
     plan = plan_batches(examples, config.batch_size, config.epochs, config.seed, config.bucket_batches)

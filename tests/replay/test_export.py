@@ -290,3 +290,15 @@ async def test_worker_processes_write_the_same_file(tmp_path: Path) -> None:
         outputs[jobs] = (out.read_bytes(), result.rows, result.redacted_rows)
     assert outputs[1] == outputs[2] and outputs[1][1:] == (14, 6)
     assert b.side_files(path) == []
+
+
+async def test_the_ids_filter_selects_exactly_those_trajectories(tmp_path: Path) -> None:
+    path = tmp_path / "ids.db"
+    store = await b.open_store(path)
+    first = await b.agent_trajectory(store, "What is 2+2?")
+    second = await b.agent_trajectory(store, "What is 3+3?")
+    await b.agent_trajectory(store, "What is 4+4?")
+    await store.close()
+    assert {r["trajectory_id"] for r in rows_of(path, Filters(ids=(first, second)))} == {first, second}
+    assert rows_of(path, Filters(ids=())) == []  # none asked for: none, not all
+    assert "ids" not in Filters.names()  # the Python API's alone: no replay command has such a flag

@@ -192,6 +192,29 @@ def test_a_trained_adapter_passes_the_gate_is_promoted_and_becomes_the_next_runs
     assert registry.get("capitals", 4).metrics["reference"]["model"] == "capitals@1"
 
 
+def test_expert_iteration_trains_on_the_candidates_own_clean_successes(capitals: Settings) -> None:
+    settings = capitals.model_copy(update={"training": capitals.training.model_copy(update={
+        "expert": capitals.training.expert.model_copy(update={"rounds": 2, "tasks": 8, "samples": 3,
+                                                              "epochs": 3.0})})})
+    asyncio.run(capture(settings, "capitals", "train", attempts=0))
+    console = Console(record=True, width=200, file=io.StringIO())
+    outcome = asyncio.run(replay_train(settings, Filters(source="demo"), console=console))
+    rounds = AdapterRegistry(settings.store.path).get("capitals", outcome.registered.version).metrics["expert"]
+    assert [r["round"] for r in rounds] == [1, 2] and all(r["episodes"] == 24 for r in rounds)
+    assert all(0 <= r["kept"] <= r["succeeded"] <= 24 for r in rounds)
+    trained = [r for r in rounds if r["kept"]]
+    assert trained, rounds  # an SFT candidate that solves some capitals some of the time leaves something to keep
+    assert all(r["rows"] >= r["kept"] and r["action"] in ("kept", "rejected") for r in trained)
+    assert "expert    round 1:" in console.export_text()
+    # The episodes are in the store, recorded and labelled as rollouts of their round.
+    with sqlite3.connect(settings.store.path) as conn:
+        recorded = conn.execute("SELECT json_extract(metadata, '$.expert_round'), COUNT(*) FROM trajectories "
+                                "WHERE source = 'rollout' GROUP BY 1 ORDER BY 1").fetchall()
+    assert recorded == [(1, 24), (2, 24)]
+    stages = [s["stage"] for s in orjson.loads((outcome.run_dir / "stages.json").read_bytes())]
+    assert stages.count("expert") == 2 and stages.index("expert") > stages.index("validate")
+
+
 def test_a_noise_adapter_fails_the_gate(capitals: Settings, tmp_path: Path, tiny_model_dir: Path) -> None:
     training = capitals.training
     suite = get_suite("capitals")
