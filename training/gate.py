@@ -143,11 +143,13 @@ def _pairs(candidate: list[Episode], reference: list[Episode], solver_steps: dic
                   sides["reference"]) for task_id, sides in sorted(by_task.items())]
 
 
-def _success_gain(pairs: list[_Pair], boot: dict[str, Any]) -> Check:
-    def gain(items: Sequence[_Pair]) -> float:
-        return mean([p.success("candidate") - p.success("reference") for p in items])
+def _gain(items: Sequence[_Pair]) -> float:
+    """The mean paired success difference, candidate minus reference."""
+    return mean([p.success("candidate") - p.success("reference") for p in items])
 
-    estimate, lower, _ = paired_bootstrap(pairs, gain, **boot)
+
+def _success_gain(pairs: list[_Pair], boot: dict[str, Any]) -> Check:
+    estimate, lower, _ = paired_bootstrap(pairs, _gain, **boot)
     return Check("success gain", _rate(pairs, "reference"), _rate(pairs, "candidate"), estimate, lower, "lower",
                  0.0, ">", len(pairs), lower > 0)
 
@@ -183,8 +185,7 @@ def _recovery_drop(pairs: list[_Pair], boot: dict[str, Any], margin: float, min_
     if len(faulted) < min_faulted:
         return Check("recovery drop", reference, candidate, candidate - reference, None, "lower", -margin, "≥",
                      len(faulted), False, f"{len(faulted)} faulted tasks, fewer than the {min_faulted} required")
-    estimate, lower, _ = paired_bootstrap(
-        faulted, lambda items: mean([p.success("candidate") - p.success("reference") for p in items]), **boot)
+    estimate, lower, _ = paired_bootstrap(faulted, _gain, **boot)
     return Check("recovery drop", reference, candidate, estimate, lower, "lower", -margin, "≥", len(faulted),
                  lower >= -margin)
 

@@ -450,11 +450,7 @@ class _Generator:
 
     def run(self) -> None:
         for split in ("train", "validation", "test"):
-            tasks: list[Task] = []
-            for family, count in SIZES[split].items():
-                for i in range(count):
-                    tasks.append(self._task(split, family, i))
-            self.tasks[split] = tasks
+            self.tasks[split] = self.draw(split, SIZES[split], split)
 
     def draw(self, split: str, counts: dict[str, int], label: str) -> list[Task]:
         """``counts`` tasks of each family from ``split``'s templates, their ids under ``tools/<label>/``."""
