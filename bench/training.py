@@ -48,7 +48,8 @@ import torch  # noqa: E402
 from bench import sections  # noqa: E402
 from gateway.backends.local_model import LoadedModel, load_model, load_tokenizer  # noqa: E402
 from tests.models import tiny_llama  # noqa: E402
-from training.data import IGNORE, Example, pad_batch  # noqa: E402
+from training.batches import pad_batch  # noqa: E402
+from training.data import IGNORE, Example  # noqa: E402
 from training.sft import SFTConfig, train_sft, wrap_lora  # noqa: E402
 
 # -- sft -----------------------------------------------------------------------------------------------

@@ -237,18 +237,19 @@ class TrainingSettings(Section):
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         description="Modules LoRA adapts.")
-    learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate (linear warm-up, then cosine decay).")
-    epochs: float = Field(2.0, gt=0, description="Passes over the training rows.")
-    batch_size: int = Field(8, gt=0, description="Rows per micro-batch.")
-    grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
-    gradient_checkpointing: bool = Field(True, description="Recompute each layer's activations during the backward "
-                                         "pass instead of keeping them: about a third more compute for a fraction "
-                                         "of the memory (SFT and RL).")
+    learning_rate: float = Field(2e-3, gt=0, description="Peak learning rate (linear warm-up, then cosine decay).")
+    epochs: float = Field(1.0, gt=0, description="Passes over the training rows.")
+    batch_size: int = Field(4, gt=0, description="Rows per micro-batch.")
+    grad_accum: int = Field(2, gt=0, description="Micro-batches per optimizer step.")
+    gradient_checkpointing: bool = Field(False, description="Recompute each layer's activations during the backward "
+                                         "pass instead of keeping them: a fraction of the memory for about a third "
+                                         "more compute, and no prompt shared across a batch (SFT and RL).")
     max_seq_len: int = Field(1024, gt=0, description="Rows longer than this are cut from the left of the prompt.")
-    tool_rendering: Rendering = Field(DEFAULT_RENDERING, description="How tool specs are written into training "
+    tool_rendering: Rendering = Field("compact", description="How tool specs are written into training "
                                       "prompts ('hermes' or 'compact', as [[backends]] tool_rendering); recorded "
                                       "in each adapter folder (rendering.json), which is served the same way.")
-    checkpoints: int = Field(3, gt=0, description="Checkpoints saved per run, evenly spaced; validation picks one.")
+    checkpoints: int = Field(1, gt=0, description="Checkpoints saved per run, evenly spaced; validation picks one "
+                             "when there are several.")
     seed: int = Field(0, description="Seed for shuffling, mixing and initialisation.")
     min_recovered_share: float = Field(0.2, ge=0, le=1, description="Least share of rows from trajectories that "
                                        "recovered after a failed tool call (repeated to reach it).")
@@ -260,6 +261,10 @@ class TrainingSettings(Section):
     eval_concurrency: int = Field(8, gt=0, description="Episodes run at once during evaluation.")
     eval_max_tokens: int = Field(160, gt=0, description="Most tokens the model may write per step in an evaluation "
                                  "episode.")
+    constrain_tool_calls: bool = Field(True, description="Hold every tool call the model opens in an episode "
+                                       "(evaluation, gate, expert iteration, RL rollouts) to a call of an offered "
+                                       "tool with valid arguments, as a [[profiles]] constrain_tool_calls does "
+                                       "when serving.")
     gate: GateSettings = Field(default_factory=GateSettings)
     expert: ExpertSettings = Field(default_factory=ExpertSettings)
     rl: RLSettings = Field(default_factory=RLSettings)

@@ -36,13 +36,11 @@ import math
 import os
 import random
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import structlog
-import torch
-import torch.nn.functional as F
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from gateway.agent.validation import check_call, function_schemas
 from gateway.prompting import (
@@ -58,7 +56,6 @@ from replay.export import ExportOptions, Row, iter_rows
 from replay.filters import Filters
 from replay.readonly import open_readonly
 from replay.redact import Redactor
-from training.metrics import perplexity_of
 
 log = structlog.get_logger()
 
@@ -413,86 +410,8 @@ def mix(task: list[Example], general: list[Example], *, min_recovered_share: flo
     return rows
 
 
-# -- batches and perplexity --------------------------------------------------------------------------
+# -- padding -----------------------------------------------------------------------------------------
 
 
 def pad_id_of(tokenizer: PreTrainedTokenizerBase) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_of_turn_id(tokenizer)
-
-
-@dataclass
-class Batch:
-    """Right-padded tensors of a list of examples; padding has attention 0 and label -100."""
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    labels: torch.Tensor
-    tokens: int = field(default=0)  # real (unpadded) tokens
-
-    def to(self, device: torch.device | str) -> Batch:
-        return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.labels.to(device), self.tokens)
-
-
-def pad_batch(examples: list[Example], pad_id: int) -> Batch:
-    width = max(len(e.input_ids) for e in examples)
-    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
-    mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for i, e in enumerate(examples):
-        n = len(e.input_ids)
-        ids[i, :n] = torch.tensor(e.input_ids)
-        labels[i, :n] = torch.tensor(e.labels)
-        mask[i, :n] = 1
-    return Batch(ids, mask, labels, tokens=sum(len(e.input_ids) for e in examples))
-
-
-def label_logits(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits at the positions that predict a label token, and those labels ([n, vocab], [n]).
-
-    The projection to the vocabulary (batch x seq x vocab) is the biggest tensor of a step, and most positions
-    of a row are prompt (system prompt, tool specs, earlier turns) that score nothing; so only the decoder's
-    hidden states at the positions that predict a label go through the output layer. Models whose logits are
-    more than the output layer of the last hidden state (softcapping, a logit scale) need the full path.
-    """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a peft wrapper
-    hidden = base.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-    targets = F.pad(batch.labels, (0, 1), value=IGNORE)[:, 1:]
-    scored = targets != IGNORE
-    return base.get_output_embeddings()(hidden[scored]), targets[scored]
-
-
-@torch.no_grad()
-def example_losses(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: list[Example], *,
-                   batch_size: int = 8) -> list[tuple[float, int]]:
-    """Each example's summed negative log-likelihood of its label tokens and their number, in the examples' order,
-    with whatever adapters are active (per example, so two models can be compared text by text)."""
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    losses: list[tuple[float, int]] = [(0.0, 0)] * len(examples)
-    # Similar lengths together: less padding computed for nothing.
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i].input_ids))
-    try:
-        for start in range(0, len(order), batch_size):
-            rows = order[start:start + batch_size]
-            batch = pad_batch([examples[i] for i in rows], pad_id_of(tokenizer)).to(device)
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                logits, targets = label_logits(model, batch)
-            token_nll = F.cross_entropy(logits.float(), targets, reduction="none")
-            # label_logits keeps the scored positions in row order: the row of each is its mask's row index.
-            row_of = (F.pad(batch.labels, (0, 1), value=IGNORE)[:, 1:] != IGNORE).nonzero()[:, 0]
-            nll = torch.zeros(len(rows), device=device).index_add_(0, row_of, token_nll)
-            count = torch.bincount(row_of, minlength=len(rows))
-            for j, i in enumerate(rows):
-                losses[i] = (nll[j].item(), int(count[j].item()))
-    finally:
-        model.train(was_training)
-    return losses
-
-
-def perplexity(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: list[Example], *,
-               batch_size: int = 8) -> float:
-    """exp of the mean negative log-likelihood of the label tokens, with whatever adapters are active."""
-    if not examples:
-        raise ValueError("perplexity of no examples")
-    return perplexity_of(example_losses(model, tokenizer, examples, batch_size=batch_size))

@@ -27,13 +27,16 @@ class _NoRecorder:
 
 
 async def run_episode(suite: Suite, task: Task, backend: Backend, *, model: str, max_tokens: int,
-                      temperature: float = 0.0, unseen_tools: frozenset[str] = frozenset(),
+                      temperature: float = 0.0, constrain_tool_calls: bool = False,
+                      unseen_tools: frozenset[str] = frozenset(),
                       recorder_for: RecorderFor | None = None,
                       token_counter: Callable[..., int] | None = None) -> Episode:
     """``task`` run once with ``suite``'s tools (its fault injected) and judged by its verifier. ``unseen_tools``:
-    the tools no train or validation task offers (``test_only_markers``), for ``unseen_tool_success_rate``."""
+    the tools no train or validation task offers (``test_only_markers``), for ``unseen_tool_success_rate``.
+    ``constrain_tool_calls``: the engine holds each call the model opens to an offered tool's schema."""
     profile = Profile(name=suite.name, model=model, system_prompt=suite.system_prompt, tools=list(task.tools),
-                      limits=EPISODE_LIMITS, temperature=temperature, max_tokens=max_tokens)
+                      limits=EPISODE_LIMITS, temperature=temperature, max_tokens=max_tokens,
+                      constrain_tool_calls=constrain_tool_calls)
     state = RunState(run_id=new_id(), profile=profile.name,
                      messages=[{"role": "system", "content": suite.system_prompt},
                                {"role": "user", "content": task.prompt}])

@@ -110,6 +110,7 @@ class Evaluator:
             async with gate:
                 episode = await run_episode(suite, task, backend, model=self.settings.base_model,
                                             max_tokens=self.settings.eval_max_tokens, temperature=temperature,
+                                            constrain_tool_calls=self.settings.constrain_tool_calls,
                                             unseen_tools=unseen, recorder_for=recorder_for,
                                             token_counter=self.backend.count_tokens)
             bar.update()

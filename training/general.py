@@ -13,7 +13,7 @@ from typing import Any
 
 from gateway.backends.local_model import load_model
 from gateway.config import TrainingSettings
-from training import data, general_data
+from training import batches, data, general_data
 
 
 class GeneralCheck:
@@ -47,16 +47,16 @@ class GeneralCheck:
 
     def losses(self, adapter: str | Path | None = None) -> list[tuple[float, int]]:
         """Each held-out text's summed negative log-likelihood and tokens, for the base (``adapter=None``) or the
-        base with the adapter folder applied (``data.perplexity_of`` makes them one perplexity)."""
+        base with the adapter folder applied (``metrics.perplexity_of`` makes them one perplexity)."""
         with self._lock:
             self._load()
             assert self._held_out is not None
             if adapter is None:
-                return data.example_losses(self._model, self._tokenizer, self._held_out)
+                return batches.example_losses(self._model, self._tokenizer, self._held_out)
             from peft import PeftModel
 
             wrapped = PeftModel.from_pretrained(self._model, str(adapter), is_trainable=False)
             try:
-                return data.example_losses(wrapped, self._tokenizer, self._held_out)
+                return batches.example_losses(wrapped, self._tokenizer, self._held_out)
             finally:
                 self._model = wrapped.unload()  # the plain base again, for the next adapter

@@ -79,6 +79,7 @@ def reference_key(suite: Suite, tasks: list[Task], adapter: Path | None, setting
                                 "tasks": [dataclasses.asdict(t) for t in tasks],
                                 "system_prompt": suite.system_prompt, "limits": dataclasses.asdict(EPISODE_LIMITS),
                                 "max_tokens": settings.eval_max_tokens, "samples": samples,
+                                "constrain_tool_calls": settings.constrain_tool_calls,
                                 "temperature": settings.gate.temperature if samples > 1 else 0.0,
                                 "general_seed": settings.seed, "max_seq_len": settings.max_seq_len},
                                option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS))

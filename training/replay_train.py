@@ -200,7 +200,8 @@ async def replay_train(settings: Settings, filters: Filters, *, mode: str = "sft
 
 async def _sft(settings: Settings, filters: Filters, suite: Suite, gate_tasks: list[Task], general: GeneralCheck,
                evaluator: Evaluator, out: Path, stage: Stages) -> tuple[Path, dict[str, Any]]:
-    """Build, train (into ``out``) and validate: the best SFT checkpoint and its validation metrics."""
+    """Build, train (into ``out``) and validate: the best SFT checkpoint and its validation metrics (none when
+    there is one checkpoint and no expert iteration, which would rank against them)."""
     training = settings.training
     tokenizer = await asyncio.to_thread(load_tokenizer, training.model_path)
     task_rows, stats = await asyncio.to_thread(data.examples_from_store, settings.store.path, filters, tokenizer,
@@ -222,6 +223,10 @@ async def _sft(settings: Settings, filters: Filters, suite: Suite, gate_tasks: l
     result.model = None  # the evaluator has its own copy of the base; free the training one
     stage("sft", f"{len(result.checkpoints)} checkpoints, {result.tokens:,} tokens in {result.seconds:.0f} s "
                    f"({result.tokens_per_second:,.0f} tokens/s)", tokens=result.tokens)
+    if len(result.checkpoints) == 1 and not training.expert.rounds:
+        stage("validate", f"skipped: one checkpoint ({result.checkpoints[0].name}) and no expert iteration to "
+                          "rank against")
+        return result.checkpoints[0], {}
     validation = [await evaluator.evaluate(suite.name, "validation", checkpoint, label=checkpoint.name)
                   for checkpoint in result.checkpoints]
     best = max(range(len(validation)), key=lambda i: rank(validation[i].metrics))

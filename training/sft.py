@@ -8,7 +8,9 @@ The algorithm:
    micro-batches (length buckets: little padding, yet random batches), then shuffle the batches. Right padding,
    attention mask 0 and label -100 on padding.
 3. The loss is the mean cross-entropy of the label tokens (``label_loss``): the completions only, the output
-   layer applied at just the positions that predict them. With
+   layer applied at just the positions that predict them; the prompt a batch's rows share token for token (the
+   system prompt and tool specs of one tool set: length buckets put rows alike side by side) runs through the
+   decoder once, not once a row (``batches.label_logits``; not under gradient checkpointing). With
    gradient accumulation each micro-batch is weighted by its share of the step's label tokens, so a step's
    loss is the mean over all its label tokens however they fall into micro-batches.
 4. AdamW on the LoRA parameters, a linear warm-up over the first ~5% of steps then cosine decay to zero,
@@ -43,7 +45,8 @@ from gateway.backends.local.adapters import write_rendering
 from gateway.backends.local.heap import map_large_allocations
 from gateway.backends.local_model import LoadedModel, load_model
 from gateway.prompting import DEFAULT_RENDERING, Rendering
-from training.data import IGNORE, Batch, Example, label_logits, pad_batch
+from training.batches import Batch, label_logits, pad_batch
+from training.data import IGNORE, Example
 from training.plots import plot_loss
 
 if TYPE_CHECKING:

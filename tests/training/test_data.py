@@ -32,7 +32,8 @@ from replay.store import TrajectoryStore
 from replay.vocabulary import DEMO
 from tests.gateway.backends.conftest import script as _script
 from tests.replay import builders
-from training import data, general_data
+from training import batches, general_data
+from training.batches import perplexity
 from training.data import (
     IGNORE,
     Example,
@@ -40,7 +41,6 @@ from training.data import (
     examples_from_store,
     is_recovered,
     mix,
-    perplexity,
     render_example,
 )
 from training.general_data import general_conversations, general_examples, load_conversations, split_general
@@ -516,7 +516,7 @@ def test_perplexity_is_finite_and_a_noise_adapter_raises_it(smol_tokenizer: PreT
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     # Fit the answers first, so the base model has something for the noise to spoil.
-    batch = data.pad_batch(examples, smol_tokenizer.pad_token_id)
+    batch = batches.pad_batch(examples, smol_tokenizer.pad_token_id)
     optimizer = torch.optim.Adam(model.parameters(), lr=5e-2)
     for _ in range(12):
         label_loss(model, batch).backward()
@@ -525,9 +525,9 @@ def test_perplexity_is_finite_and_a_noise_adapter_raises_it(smol_tokenizer: PreT
     base = perplexity(model, smol_tokenizer, examples, batch_size=3)
     assert math.isfinite(base) and 1 < base < 100
     # Per text, in the examples' order, whatever the batching: what the gate pairs text by text.
-    losses = data.example_losses(model, smol_tokenizer, examples, batch_size=3)
+    losses = batches.example_losses(model, smol_tokenizer, examples, batch_size=3)
     assert [t for _, t in losses] == [sum(label != IGNORE for label in e.labels) for e in examples]
-    for (nll, tokens), alone in zip(losses, (data.example_losses(model, smol_tokenizer, [e])[0] for e in examples),
+    for (nll, tokens), alone in zip(losses, (batches.example_losses(model, smol_tokenizer, [e])[0] for e in examples),
                                     strict=True):
         assert nll == pytest.approx(alone[0], rel=1e-4) and tokens == alone[1]
     assert math.exp(sum(n for n, _ in losses) / sum(t for _, t in losses)) == pytest.approx(base)

@@ -54,7 +54,7 @@ def settings(tmp_path: Path, tiny_model_dir: Path) -> Settings:
     return Settings.model_validate({
         "store": {"path": str(tmp_path / "harness.db")},
         "training": {"model_path": str(tiny_model_dir), "output_dir": str(tmp_path / "runs"), "rank": 4,
-                     "alpha": 8, "epochs": 0.25, "batch_size": 8, "checkpoints": 2, "max_seq_len": 768,
+                     "alpha": 8, "epochs": 0.25, "batch_size": 8, "grad_accum": 1, "checkpoints": 2, "max_seq_len": 768,
                      "eval_concurrency": 16, "eval_max_tokens": 4, "general_data": str(general),
                      "general_share": 0.1, "min_recovered_share": 0.2},
     })
@@ -176,6 +176,8 @@ def test_a_trained_adapter_passes_the_gate_is_promoted_and_becomes_the_next_runs
     assert gain["name"] == "success gain" and gain["bound"] > 0.2 and gain["n"] == 100
     assert stored["test"]["success_rate"] > 0.3 and stored["reference"]["success_rate"] == 0.0
     assert "bounds: passed" in " ".join(printed.split()) and "from the cache" not in printed
+    # One checkpoint and no expert iteration: nothing for validation to choose between, so it is not run.
+    assert stored["validation"] == {} and "skipped: one checkpoint" in " ".join(printed.split())
 
     # The next run is judged against the promoted version; trained the same way it gains nothing on it.
     second, printed = run()

@@ -118,7 +118,9 @@ def test_rollouts_are_recorded_grouped_scored_and_carry_the_policys_own_logprobs
                                                                               tiny_model_dir: Path) -> None:
     settings = Settings.model_validate({
         "store": {"path": str(tmp_path / "harness.db")},
+        # Unconstrained: under a grammar mask the captured log-probabilities are of the masked distribution.
         "training": {"model_path": str(tiny_model_dir), "eval_max_tokens": 6, "eval_concurrency": 8,
+                     "constrain_tool_calls": False,
                      "rl": {"tasks_per_step": 3, "group_size": 3, "temperature": 1.0, "fault_rate": 1.0}},
     })
     policy = random_lora(tiny_model_dir, tmp_path / "policy", seed=5)
@@ -183,7 +185,7 @@ def test_on_the_embedded_model_the_captured_logprobs_are_what_training_computes(
     model.save_pretrained(str(tmp_path / "policy"), save_embedding_layers=False)
     settings = Settings.model_validate({
         "store": {"path": str(tmp_path / "harness.db")},
-        "training": {"eval_max_tokens": 24, "eval_concurrency": 4,
+        "training": {"eval_max_tokens": 24, "eval_concurrency": 4, "constrain_tool_calls": False,
                      "rl": {"tasks_per_step": 2, "group_size": 2, "temperature": 1.0}}})
 
     async def run() -> list:
