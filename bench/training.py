@@ -17,11 +17,12 @@ Sections (``--section``, repeatable; default all):
   Default model: the embedded SmolLM2-135M (from its cache); ``--tiny`` uses a tiny random Llama instead,
   for a quick check of the script.
 
-- ``memory``: peak RSS and training tokens per second of ``train_sft`` with gradient checkpointing on (the
-  default) and off, each run in a fresh process (``--mem-batch`` rows of ``--mem-seq-len`` tokens, the last
+- ``memory``: peak RSS and training tokens per second of ``train_sft`` with gradient checkpointing on and off
+  (the default), each run in a fresh process (``--mem-batch`` rows of ``--mem-seq-len`` tokens, the last
   ``--mem-labelled`` labelled, ``--steps``
-  steps after ``--warmup``), the two alternating ``--repeats`` times; the median of each. Target: replay-train
-  under 4 GB, so training's own peak well under it.
+  steps after ``--warmup``), the two alternating ``--repeats`` times; the median of each. Target: with
+  checkpointing on, replay-train under 4 GB, so training's own peak well under it (off, it trades memory for
+  speed).
 
 - ``eval``: evaluation throughput: episodes (and model calls) per minute of the tools suite's validation tasks
   through the agent loop on the base model, one episode at a time against ``--concurrency`` at once.
