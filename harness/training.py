@@ -7,6 +7,7 @@ every other command start fast.
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -132,10 +133,12 @@ def tasks_capture(suite: str | None = SuiteOption, split: str = typer.Option("tr
     configure_logging("console", "warning")
     if _split(split) == "test":
         fail("the test split is for reporting and the gate only; capture train or validation", 2)
+    started = time.perf_counter()
     result = asyncio.run(capture(settings, _suite(settings, suite), split, demos=demos, attempts=attempts,
                                  sample=sample, temperature=temperature))
     console.print(f"captured {result.demonstrations} demonstrations and {result.attempts} attempts "
-                  f"({result.attempts_succeeded} succeeded) into {settings.store.path}")
+                  f"({result.attempts_succeeded} succeeded) into {settings.store.path} "
+                  f"in {time.perf_counter() - started:.0f} s")
 
 
 @with_filters

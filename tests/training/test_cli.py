@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import orjson
@@ -36,6 +37,13 @@ def test_eval_prints_the_table_and_writes_json_and_png(env: dict[str, str], tmp_
     (report,) = orjson.loads((tmp_path / "e" / "eval.json").read_bytes())
     assert report["split"] == "validation" and len(report["episodes"]) == 44
     assert (tmp_path / "e" / "eval.png").stat().st_size > 0
+
+
+def test_capture_stores_the_demonstrations_and_says_how_long_it_took(env: dict[str, str]) -> None:
+    result = runner.invoke(app, ["tasks", "capture", "--split", "validation", "--attempts", "0"], env=env)
+    assert result.exit_code == 0, result.output
+    printed = " ".join(result.output.split())  # the console wraps long lines
+    assert re.search(r"captured 44 demonstrations and 0 attempts \(0 succeeded\) into .+ in \d+ s", printed)
 
 
 def test_usage_errors_are_clear(env: dict[str, str], tmp_path: Path) -> None:
