@@ -261,6 +261,9 @@ class TrainingSettings(Section):
     eval_concurrency: int = Field(8, gt=0, description="Episodes run at once during evaluation.")
     eval_max_tokens: int = Field(160, gt=0, description="Most tokens the model may write per step in an evaluation "
                                  "episode.")
+    episode_timeout_seconds: float = Field(600.0, ge=0, description="Wall-clock limit of one episode (evaluation, "
+                                           "gate, capture's attempts, expert iteration, RL rollouts): past it the "
+                                           "episode is cancelled and counts as a failure (0: none).")
     constrain_tool_calls: bool = Field(True, description="Hold every tool call the model opens in an episode "
                                        "(evaluation, gate, expert iteration, RL rollouts) to a call of an offered "
                                        "tool with valid arguments, as a [[profiles]] constrain_tool_calls does "

@@ -112,7 +112,8 @@ class Evaluator:
                                             max_tokens=self.settings.eval_max_tokens, temperature=temperature,
                                             constrain_tool_calls=self.settings.constrain_tool_calls,
                                             unseen_tools=unseen, recorder_for=recorder_for,
-                                            token_counter=self.backend.count_tokens)
+                                            token_counter=self.backend.count_tokens,
+                                            timeout_s=self.settings.episode_timeout_seconds or None)
             bar.update()
             return episode
 
