@@ -98,6 +98,7 @@ class Engine:
         self._logits: torch.Tensor | None = None  # [rows, vocab]: next-token logits of each row
         self._grammar_tokenizer: LLTokenizer | None = None  # built for the first constrained job (~0.3 s)
         self._masks: Masks | None = None
+        self._admitting: list[Job] = []  # popped from the inbox by the admission under way
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; the next ``run`` admits it, at the next step of a running batch."""
@@ -131,8 +132,10 @@ class Engine:
                                               error_type="server_error"))
 
     def fail_active(self, error: BackendError) -> None:
-        for job in {row.job: None for row in self._rows}:
+        """Fail every running job, and those being admitted when the failure came."""
+        for job in {**{row.job: None for row in self._rows}, **dict.fromkeys(self._admitting)}:
             job.deliver([Failure(error)])
+        self._admitting = []
         self._reset()
 
     def fail_waiting(self, error: BackendError) -> None:
@@ -231,7 +234,9 @@ class Engine:
             jobs.append(self.inbox.popleft())
             room -= job.params.n
         if jobs:
+            self._admitting = jobs  # out of the inbox, not yet rows: a failure must still reach them
             self._prefill(jobs)
+            self._admitting = []
 
     def _prefill(self, jobs: list[Job]) -> None:
         """Prefill the admitted jobs and join them to the batch: those whose prompt starts with cached keys and
@@ -248,7 +253,13 @@ class Engine:
         for job, hit in hits:
             by_new.setdefault((len(job.prompt_ids) - hit.length - 1) // PREFILL_CHUNK, []).append((job, hit))
         for group in by_new.values():
-            self._join(*self._prefill_after(group))
+            # A row recomputes the end of its cached part up to the group's most new tokens; a prompt shorter than
+            # that has too little to recompute and is prefilled from the start instead.
+            new = max(len(job.prompt_ids) - hit.length for job, hit in group)
+            fresh += [job for job, _ in group if len(job.prompt_ids) <= new]
+            group = [(job, hit) for job, hit in group if len(job.prompt_ids) > new]
+            if group:
+                self._join(*self._prefill_after(group))
         if fresh:
             self._join(*self._prefill_fresh(fresh))
 

@@ -133,6 +133,26 @@ def test_a_failing_step_fails_every_job_of_the_batch_and_the_engine_serves_on(lo
     assert again.tokens[:2] == first.tokens and len(again.tokens) == 4 and again.finishes == [Finish(0, "length")]
 
 
+def test_a_failing_prefill_fails_the_jobs_being_admitted_too(loaded: LoadedModel) -> None:
+    engine = Engine(loaded, max_batch_size=8)
+    running = _Inbox()
+    engine.submit(_job(loaded, "one", running, max_tokens=10, **GREEDY))
+    engine._admit()  # running, one token chosen per step from here
+    prefill = engine._prefill
+
+    def failing(jobs: list[Job]) -> None:
+        raise RuntimeError("boom in prefill")
+
+    engine._prefill = failing  # type: ignore[method-assign]
+    admitting = _Inbox()
+    _run(engine, _job(loaded, "two", admitting, max_tokens=10, **GREEDY))
+    for inbox in (running, admitting):  # out of the inbox, not yet a row: it hears of the failure all the same
+        [failure] = [e for e in inbox.events if isinstance(e, Failure)]
+        assert failure.error.status_code == 500 and "boom in prefill" in str(failure.error)
+    assert not engine._rows and not engine._admitting and not engine.inbox
+    engine._prefill = prefill  # type: ignore[method-assign]
+
+
 def test_the_engine_imports_no_asyncio() -> None:
     tree = ast.parse(Path(engine_module.__file__).read_text())
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}

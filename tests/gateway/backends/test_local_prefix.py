@@ -175,3 +175,18 @@ async def test_a_prompt_prefilled_in_chunks_gives_the_same_output(pair: tuple[Lo
     # and a cache hit's new tokens too, chunked after the cached part
     await cached.chat(_req(_episode(3, 0)))
     assert await _ids(cached, _req(_episode(4, 0))) == whole[0] and cached.prefix_stats.hits == 1
+
+
+async def test_hits_admitted_together_with_more_new_tokens_than_a_short_prompt_holds(
+        pair: tuple[LocalBackend, ...]) -> None:
+    """A short prompt with a long cached part, admitted with a prompt that is mostly new: the short one cannot
+    recompute as many tokens as the long one brings, so it is prefilled from the start; both answer as without
+    the cache (this once failed the batch, and left the jobs being admitted waiting for ever)."""
+    cached, plain = pair
+    await cached.chat(_req(_episode(2, 0)))  # caches the system prompt and the first steps
+    long_new = [SYSTEM, {"role": "user", "content": "Go on counting: " + " ".join(str(k) for k in range(60))}]
+    short = _episode(3, 0)
+    prompts = [_req(long_new), _req(short)]
+    expected = [await _ids(plain, r) for r in prompts]
+    together = asyncio.gather(*(_ids(cached, r) for r in prompts))
+    assert await asyncio.wait_for(together, 60) == expected  # a lost job would wait for ever
