@@ -26,7 +26,7 @@ from gateway.config import Settings
 from replay.filters import Filters
 from replay.store import TrajectoryStore
 from replay.vocabulary import ROLLOUT
-from training import data, general_data
+from training import data
 from training.capture import label_episodes, store_recorder
 from training.evaluate import Evaluator
 from training.general import GeneralCheck
@@ -54,8 +54,7 @@ async def expert_iteration(settings: Settings, suite: Suite, evaluator: Evaluato
     tasks = suite.tasks("train")
     random.Random(f"{training.seed}:expert").shuffle(tasks)
     tokenizer = await asyncio.to_thread(load_tokenizer, training.model_path)
-    general_rows = general_data.general_examples(tokenizer, await asyncio.to_thread(general.training_conversations),
-                                                 training.max_seq_len)
+    general_rows = await asyncio.to_thread(general.training_rows)
     current, current_metrics, rounds = start, start_metrics, []
     store = TrajectoryStore(settings.store.path, synchronous=settings.store.synchronous)
     await store.start()

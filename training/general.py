@@ -25,6 +25,7 @@ class GeneralCheck:
         self._tokenizer: Any = None
         self._held_out: list[data.Example] | None = None
         self._train: list[list[dict[str, Any]]] | None = None
+        self._train_rows: list[data.Example] | None = None
         self._lock = threading.Lock()
 
     def _load(self) -> None:
@@ -38,12 +39,16 @@ class GeneralCheck:
         self._train = train
         self._held_out = general_data.general_examples(self._tokenizer, held_out, self.settings.max_seq_len)
 
-    def training_conversations(self) -> list[list[dict[str, Any]]]:
-        """The general conversations training may use (never the held-out ones)."""
+    def training_rows(self) -> list[data.Example]:
+        """The general rows training may mix in (never the held-out ones), built once for SFT and every
+        expert-iteration round."""
         with self._lock:
             self._load()
             assert self._train is not None
-            return self._train
+            if self._train_rows is None:
+                self._train_rows = general_data.general_examples(self._tokenizer, self._train,
+                                                                 self.settings.max_seq_len)
+            return self._train_rows
 
     def losses(self, adapter: str | Path | None = None) -> list[tuple[float, int]]:
         """Each held-out text's summed negative log-likelihood and tokens, for the base (``adapter=None``) or the

@@ -46,7 +46,7 @@ from replay.adapters import AdapterRegistry, AdapterVersion
 from replay.filters import Filters
 from replay.rewards import recompute, signal_weights, step_limits
 from replay.store import TrajectoryStore
-from training import data, general_data
+from training import data
 from training.evaluate import Evaluator, report_table, write_reports
 from training.expert import expert_iteration
 from training.gate import Decision, baselines, decide, decision_table, solver_steps
@@ -210,8 +210,7 @@ async def _sft(settings: Settings, filters: Filters, suite: Suite, gate_tasks: l
     if not task_rows:
         raise ReplayTrainError("the selected trajectories hold no model call to train on (with --min-reward, "
                                "are any rewarded that high?)")
-    general_rows = general_data.general_examples(tokenizer, await asyncio.to_thread(general.training_conversations),
-                                         training.max_seq_len)
+    general_rows = await asyncio.to_thread(general.training_rows)
     rows = data.mix(task_rows, general_rows, min_recovered_share=training.min_recovered_share,
                     general_share=training.general_share, seed=training.seed)
     stage("build", f"{len(rows)} rows: {len(task_rows)} from {stats.trajectories} trajectories ({stats.merged} "
