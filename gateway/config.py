@@ -177,12 +177,15 @@ class ExpertSettings(Section):
     the train tasks it does not yet solve every time, trained on, round after round."""
 
     rounds: int = Field(0, ge=0, description="Rounds after SFT (0: none).")
-    tasks: int = Field(64, gt=0, description="Train tasks each round samples (in turn through the split).")
-    samples: int = Field(4, ge=2, description="Episodes per task and round; a task all of them solve is left "
-                         "out (nothing left to learn there).")
+    tasks: int = Field(64, gt=0, description="Train tasks each round screens with one greedy episode (in turn "
+                       "through the split).")
+    samples: int = Field(4, gt=0, description="Episodes per screened task the greedy episode failed, sampled at "
+                         "``temperature``.")
     temperature: float = Field(0.7, gt=0, le=2, description="Sampling temperature of the episodes.")
-    epochs: float = Field(2.0, gt=0, description="Passes over a round's kept episodes (with general rows mixed in "
-                          "at ``general_share``).")
+    epochs: float = Field(2.0, gt=0, description="Passes over a round's rows: its kept episodes, the replayed "
+                          "demonstrations and general rows at ``general_share``.")
+    replay: float = Field(3.0, ge=0, description="Rows of SFT's demonstrations mixed into a round per kept "
+                          "episode's row, so a round adds to what SFT taught instead of training over it.")
 
 
 class RLSettings(Section):

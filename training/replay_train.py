@@ -119,12 +119,13 @@ async def replay_train(settings: Settings, filters: Filters, *, mode: str = "sft
     expert_rounds: list[dict[str, Any]] | None = None
     async with Evaluator(training) as evaluator:
         if "sft" in mode:
-            candidate, validation = await _sft(settings, filters, suite, gate_tasks, general, evaluator,
-                                               run_dir / "sft" if "rl" in mode else run_dir, stage)
+            candidate, validation, demonstrations = await _sft(settings, filters, suite, gate_tasks, general,
+                                                               evaluator, run_dir / "sft" if "rl" in mode else run_dir,
+                                                               stage)
             if training.expert.rounds:
                 candidate, validation, expert_rounds = await expert_iteration(
                     settings, suite, evaluator, general, candidate, validation, run_dir / "expert",
-                    exclude=leak_filter(suite, gate_tasks), stage=stage)
+                    demonstrations=demonstrations, exclude=leak_filter(suite, gate_tasks), stage=stage)
         else:
             candidate = None if init == "base" else Path(init) if init else reference
             validation = {}
@@ -199,9 +200,9 @@ async def replay_train(settings: Settings, filters: Filters, *, mode: str = "sft
 
 
 async def _sft(settings: Settings, filters: Filters, suite: Suite, gate_tasks: list[Task], general: GeneralCheck,
-               evaluator: Evaluator, out: Path, stage: Stages) -> tuple[Path, dict[str, Any]]:
-    """Build, train (into ``out``) and validate: the best SFT checkpoint and its validation metrics (none when
-    there is one checkpoint and no expert iteration, which would rank against them)."""
+               evaluator: Evaluator, out: Path, stage: Stages) -> tuple[Path, dict[str, Any], list[data.Example]]:
+    """Build, train (into ``out``) and validate: the best SFT checkpoint, its validation metrics (none when there
+    is one checkpoint and no expert iteration, which would rank against them) and the task rows it trained on."""
     training = settings.training
     tokenizer = await asyncio.to_thread(load_tokenizer, training.model_path)
     task_rows, stats = await asyncio.to_thread(data.examples_from_store, settings.store.path, filters, tokenizer,
@@ -225,13 +226,13 @@ async def _sft(settings: Settings, filters: Filters, suite: Suite, gate_tasks: l
     if len(result.checkpoints) == 1 and not training.expert.rounds:
         stage("validate", f"skipped: one checkpoint ({result.checkpoints[0].name}) and no expert iteration to "
                           "rank against")
-        return result.checkpoints[0], {}
+        return result.checkpoints[0], {}, task_rows
     validation = [await evaluator.evaluate(suite.name, "validation", checkpoint, label=checkpoint.name)
                   for checkpoint in result.checkpoints]
     best = max(range(len(validation)), key=lambda i: rank(validation[i].metrics))
     stage("validate", ", ".join(f"{r.model}: success {r.metrics['success_rate']:.0%}" for r in validation)
           + f" → {result.checkpoints[best].name}", episodes=sum(len(r.episodes) for r in validation))
-    return result.checkpoints[best], validation[best].metrics
+    return result.checkpoints[best], validation[best].metrics, task_rows
 
 
 async def _rl(settings: Settings, selected: list[str], start: Path | None, evaluator: Evaluator, run_dir: Path,

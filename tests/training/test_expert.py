@@ -16,9 +16,11 @@ def _episode(task: str, success: bool, invalid: int = 0) -> Episode:
                    termination_reason=None, final="4", run_id=f"{task}-{success}-{invalid}")
 
 
-def test_a_round_keeps_the_clean_successes_of_tasks_not_always_solved() -> None:
+def test_a_round_keeps_the_clean_successes_among_the_samples_of_the_tasks_it_failed() -> None:
+    # The samples are all of tasks the greedy screen failed; a clean success is worth learning even where every
+    # sample of the task succeeded.
     always = [_episode("a", True), _episode("a", True)]
     sometimes = [_episode("b", True), _episode("b", False)]
     sloppy = [_episode("c", True, invalid=1), _episode("c", False)]
     never = [_episode("d", False), _episode("d", False)]
-    assert [e.run_id for e in kept([*always, *sometimes, *sloppy, *never])] == ["b-True-0"]
+    assert [e.run_id for e in kept([*always, *sometimes, *sloppy, *never])] == ["a-True-0", "a-True-0", "b-True-0"]
