@@ -184,6 +184,8 @@ class ExpertSettings(Section):
     temperature: float = Field(0.7, gt=0, le=2, description="Sampling temperature of the episodes.")
     epochs: float = Field(2.0, gt=0, description="Passes over a round's rows: its kept episodes, the replayed "
                           "demonstrations and general rows at ``general_share``.")
+    learning_rate: float = Field(2e-4, gt=0, description="Learning rate of a round's training, which starts from a "
+                                 "trained adapter: SFT's own rate undid it.")
     replay: float = Field(3.0, ge=0, description="Rows of SFT's demonstrations mixed into a round per kept "
                           "episode's row, so a round adds to what SFT taught instead of training over it.")
 

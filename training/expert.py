@@ -8,9 +8,9 @@ One round, from the current adapter (the SFT candidate, then each round's winner
 3. keep: the episodes the verifier accepted with no invalid call (``kept``): the recoveries and lucky draws on
    tasks it gets wrong, not what it already does;
 4. train: SFT on their rows (built and leak-filtered as replay-train's) with ``replay`` rows of SFT's own
-   demonstrations per kept row and general rows mixed in, from the current adapter, one checkpoint; trained on
-   the kept rows alone, a round pulls the adapter towards a handful of tasks and it forgets the rest (measured:
-   validation success 43% → 23% after one such round);
+   demonstrations per kept row and general rows mixed in, from the current adapter, at the round's own
+   ``learning_rate``, one checkpoint; on the kept rows alone, or at SFT's rate, a round pulls the adapter towards
+   a handful of tasks and it forgets the rest (docs/training.md has the measurements);
 5. validate: the checkpoint becomes the current adapter if validation ranks it higher, else the round is rejected.
 """
 
@@ -80,7 +80,8 @@ async def expert_iteration(settings: Settings, suite: Suite, evaluator: Evaluato
                                 general_share=training.general_share, seed=training.seed + r)
                 result = await asyncio.to_thread(
                     train_sft, training.model_path, rows,
-                    SFTConfig.from_settings(training, epochs=expert.epochs, checkpoints=1), out / f"round-{r}",
+                    SFTConfig.from_settings(training, epochs=expert.epochs, learning_rate=expert.learning_rate,
+                                            checkpoints=1), out / f"round-{r}",
                     init_adapter=current)
                 result.model = None
                 checkpoint = result.checkpoints[-1]
