@@ -174,7 +174,7 @@ class GateSettings(Section):
 
 class ExpertSettings(Section):
     """Expert iteration after SFT (``replay-train --mode sft|sft+rl``): the model's own verified, clean episodes on
-    the train tasks it does not yet solve every time, trained on, round after round."""
+    the train tasks it fails greedily, trained on, round after round."""
 
     rounds: int = Field(0, ge=0, description="Rounds after SFT (0: none).")
     tasks: int = Field(64, gt=0, description="Train tasks each round screens with one greedy episode (in turn "

@@ -65,8 +65,9 @@ async def expert_iteration(settings: Settings, suite: Suite, evaluator: Evaluato
                 suite, [t for t in failed for _ in range(expert.samples)], current,
                 recorder_for=store_recorder(store, training.base_model, ROLLOUT), temperature=expert.temperature,
                 progress=f"expert round {r}")
-            await label_episodes(store, suite.name, failed, "train", episodes,
-                                 metadata={"expert_round": r, "expert_run": out.parent.name})
+            if episodes:  # none when the screen failed nothing
+                await label_episodes(store, suite.name, failed, "train", episodes,
+                                     metadata={"expert_round": r, "expert_run": out.parent.name})
             keep = kept(episodes)
             record: dict[str, Any] = {"round": r, "tasks": len(chosen), "failed": len(failed),
                                       "episodes": len(episodes), "succeeded": sum(e.success for e in episodes),
