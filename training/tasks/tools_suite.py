@@ -186,6 +186,13 @@ CALC_SEEN: tuple[tuple[str, str], ...] = (  # (kind, phrasing)
     ("div", "Calculate {a} / {b}."), ("sqrt", "Calculate sqrt({a})."), ("pow", "Calculate {a} ** {b}."),
     ("add", "What is the sum of {a} and {b}?"), ("addmul", "What is ({a} + {b}) * {c}?"),
     ("submul", "Calculate ({a} - {b}) * {c}."),
+    ("add", "What is the total of {a} and {b}?"), ("sub", "How much is {a} less {b}?"),
+    ("mul", "What is the product of {a} and {b}?"), ("div", "How much is {a} divided by {b}?"),
+    ("sqrt", "Find the square root of {a}."), ("pow", "What is {a} raised to the power {b}?"),
+    ("addmul", "Multiply the sum of {a} and {b} by {c}."), ("sub", "If you subtract {b} from {a}, what is left?"),
+    ("mul", "Compute {a} multiplied by {b}."), ("div", "What is {a} over {b}?"),
+    ("submul", "Multiply the difference of {a} and {b} by {c}."), ("add", "Compute {a} plus {b}."),
+    ("sqrt", "Give me the square root of {a}."), ("addmul", "Compute ({a} + {b}) * {c}."),
 )
 CALC_VALIDATION: tuple[tuple[str, str], ...] = (
     ("add", "Please work out {a} added to {b}."), ("sub", "Tell me what is left when {b} is taken from {a}."),
@@ -208,7 +215,14 @@ LOOKUP_SEEN: tuple[tuple[str, str], ...] = (  # (attribute, phrasing)
     ("stock", "How many units of the {product} are in stock?"), ("salary", "How much does {name} earn?"),
     ("department", "What department is {name} in?"), ("city", "Which city is {name} based in?"),
     ("price", "How much does the {product} cost?"), ("stock", "What is the stock of the {product}?"),
-    ("salary", "Look up the salary of {name}."),
+    ("salary", "Look up the salary of {name}."), ("department", "Look up the department of {name}."),
+    ("city", "What city does {name} work in?"), ("price", "Look up the price of the {product}."),
+    ("stock", "How many {product} units do we have?"), ("salary", "What does {name} make?"),
+    ("department", "{name} belongs to which department?"), ("city", "Look up the city of {name}."),
+    ("price", "What does the {product} cost?"), ("stock", "Look up the stock of the {product}."),
+    ("salary", "Tell me how much {name} earns."), ("department", "In what department does {name} work?"),
+    ("city", "What city is {name} in?"), ("price", "Give me the price of the {product}."),
+    ("stock", "How much stock of the {product} is there?"), ("salary", "Give me the salary of {name}."),
 )
 LOOKUP_VALIDATION: tuple[tuple[str, str], ...] = (
     ("salary", "Find out the pay of {name}."), ("department", "Tell me {name}'s department."),
@@ -238,6 +252,15 @@ CHAIN_SEEN: tuple[tuple[str, str], ...] = (  # (kind, phrasing)
     ("cost", "What would it cost to buy {n} units of the {product}?"),
     ("value", "How much is the whole stock of the {product} worth?"),
     ("raise", "If {a} gets a {p} percent raise, what is the new salary?"),
+    ("diff", "How much less does {b} earn than {a}?"), ("together", "Add {a}'s salary to {b}'s salary."),
+    ("cost", "What is the price of {n} units of the {product} in total?"),
+    ("value", "Multiply the price of the {product} by its stock."),
+    ("raise", "What is {a}'s salary after a {p} percent increase?"),
+    ("diff", "Subtract {b}'s salary from {a}'s salary."),
+    ("together", "What is the sum of the salaries of {a} and {b}?"),
+    ("cost", "Tell me the total cost of {n} units of the {product}."),
+    ("value", "What is all the stock of the {product} worth at its price?"),
+    ("raise", "{a}'s salary goes up by {p} percent. What is it now?"),
 )
 CHAIN_VALIDATION: tuple[tuple[str, str], ...] = (
     ("diff", "Work out the pay gap between {a} and {b}."),
@@ -257,6 +280,9 @@ CHAIN_TEST: tuple[tuple[str, str], ...] = (
 MISSING_SEEN: tuple[tuple[str, str], ...] = (  # (what the database lacks, phrasing)
     ("age", "What is {name}'s age?"), ("email address", "What is {name}'s email address?"),
     ("phone number", "What is {name}'s phone number?"), ("start date", "When did {name} join the company?"),
+    ("nationality", "What is {name}'s nationality?"), ("job title", "What is {name}'s job title?"),
+    ("work experience", "How many years of experience does {name} have?"),
+    ("hobby", "What does {name} like to do on weekends?"),
 )
 MISSING_VALIDATION: tuple[tuple[str, str], ...] = (
     ("home address", "Where does {name} live?"), ("birthday", "On which day is {name}'s birthday?"),
