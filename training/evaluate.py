@@ -67,7 +67,8 @@ class Evaluator:
         cache = {} if prefix_cache_mb is None else {"prefix_cache_mb": prefix_cache_mb}
         self.backend = LocalBackend(BackendSettings(
             name="eval", kind="local", models=[settings.base_model], model_path=settings.model_path,
-            max_batch_size=max(settings.eval_concurrency, 1), **cache))
+            max_batch_size=max(settings.eval_concurrency, 1),
+            map_large_allocations=settings.map_large_allocations, **cache))
         self._started = False
         self._adapters: dict[str, str] = {}  # folder -> the name it is loaded under
         self._loads = 0

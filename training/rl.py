@@ -280,7 +280,7 @@ def train_rl(loaded: LoadedModel, config: RLConfig, out_dir: Path, *, steps: int
     reference = start_reference(loaded.model, init_adapter).to(device) if init_adapter and config.rl.kl_coef \
         else None
     model = lora_policy(loaded.model, config.lora, init_adapter).to(device)
-    train_mode(model, config.lora.gradient_checkpointing)
+    train_mode(model, config.lora)
     # Rollouts serve each checkpoint with the rendering its folder records: the one the policy started from.
     rendering = (read_rendering(init_adapter) if init_adapter else None) or config.lora.rendering
     params = [p for p in model.parameters() if p.requires_grad]

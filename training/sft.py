@@ -75,6 +75,7 @@ class SFTConfig:
     batch_size: int = 8
     grad_accum: int = 1
     gradient_checkpointing: bool = True  # keep only each layer's input for the backward pass; recompute the rest
+    map_large_allocations: bool = False  # heap.py: less memory held, more page faults
     max_seq_len: int = 1024
     checkpoints: int = 3
     seed: int = 0
@@ -91,7 +92,7 @@ class SFTConfig:
                       dropout=training.dropout, target_modules=list(training.target_modules),
                       learning_rate=training.learning_rate, epochs=training.epochs, batch_size=training.batch_size,
                       grad_accum=training.grad_accum, gradient_checkpointing=training.gradient_checkpointing,
-                      max_seq_len=training.max_seq_len,
+                      map_large_allocations=training.map_large_allocations, max_seq_len=training.max_seq_len,
                       checkpoints=training.checkpoints, seed=training.seed, rendering=training.tool_rendering)
         return cls(**{**fields, **overrides})
 
@@ -190,12 +191,15 @@ def lora_policy(model: torch.nn.Module, config: SFTConfig, init_adapter: Path | 
     return peft_model
 
 
-def train_mode(model: torch.nn.Module, gradient_checkpointing: bool) -> None:
+def train_mode(model: torch.nn.Module, config: SFTConfig) -> None:
     """Training mode; with ``gradient_checkpointing`` each decoder layer keeps only its input for the backward pass
     (the activations of a batch of long rows are most of the memory training takes)."""
-    # Activations come and go in blocks of a few MiB: mapped, they go back to the system when freed, where in the
-    # heap they stayed (measured: a step on 4 rows of 768 tokens held 4.7 GB, 1.5 GB so).
-    map_large_allocations()
+    if config.map_large_allocations:
+        # Activations come and go in blocks of a few MiB: mapped, they go back to the system when freed, where in
+        # the heap they stay (measured: 4 rows of 512 tokens peaked at 4.6 GB so, 7.7 GB in the heap), for a third
+        # more time per step on CPU, most of it page faults.
+        map_large_allocations()
+    gradient_checkpointing = config.gradient_checkpointing
     model.train()
     if gradient_checkpointing:
         # Non-reentrant: gradients reach the LoRA weights although the frozen embeddings' outputs need none.
@@ -222,7 +226,7 @@ def train_sft(base_model_path: str | None, examples: list[Example], config: SFTC
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = lora_policy(loaded.model, config, init_adapter).to(device)
-    train_mode(model, config.gradient_checkpointing)
+    train_mode(model, config)
 
     plan = plan_batches(examples, config.batch_size, config.epochs, config.seed, config.bucket_batches)
     steps = math.ceil(len(plan) / config.grad_accum)

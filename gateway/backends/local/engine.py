@@ -76,10 +76,13 @@ class Engine:
     ``submit``, ``call``, ``waiting`` and ``pending_sequences`` on the owner's thread; the ``fail_*`` trio on
     the owner's thread only while ``run`` is not running."""
 
-    def __init__(self, loaded: LoadedModel, max_batch_size: int, prefix: PrefixCache | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, max_batch_size: int, prefix: PrefixCache | None = None, *,
+                 map_large: bool = True) -> None:
+        """``map_large``: have glibc map large allocations (``heap.py``), for the whole process."""
         self.base_model = loaded.model
         loaded.model.set_attn_implementation(ATTENTION)
-        map_large_allocations()
+        if map_large:
+            map_large_allocations()
         self.model = LoraModel(loaded.model)  # the base model, wrapped in peft while any adapter is loaded
         self.ops: deque[Op] = deque()  # appended by the owner, drained here between steps
         self._retiring: dict[str, Callable[[], None]] = {}  # internal name -> "deleted" callback
