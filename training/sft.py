@@ -199,9 +199,8 @@ def train_mode(model: torch.nn.Module, config: SFTConfig) -> None:
         # the heap they stay (measured: 4 rows of 512 tokens peaked at 4.6 GB so, 7.7 GB in the heap), for a third
         # more time per step on CPU, most of it page faults.
         map_large_allocations()
-    gradient_checkpointing = config.gradient_checkpointing
     model.train()
-    if gradient_checkpointing:
+    if config.gradient_checkpointing:
         # Non-reentrant: gradients reach the LoRA weights although the frozen embeddings' outputs need none.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
