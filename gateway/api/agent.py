@@ -21,6 +21,7 @@ from gateway.api.common import json_response, read_json_body
 from gateway.api.exchange import TRAJECTORY_HEADER
 from gateway.auth import Principal
 from gateway.errors import APIError
+from gateway.protocol.agent_runs import validate_agent_run
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.protocol.sse import DONE, encode_event
 from gateway.streaming import EventStreamResponse
@@ -106,24 +107,12 @@ async def create_run(request: Request) -> Response:
     """``POST /v1/agent/runs``: start a run in the background and return its id at once."""
     gateway = request.app.state.gateway
     principal = await gateway.auth.authenticate(request.headers)
-    body = await read_json_body(request, gateway.settings.server.max_body_bytes)
-    if not isinstance(body, dict):
-        raise APIError(400, "Request body must be a JSON object.")
-    profile = body.get("profile")
-    if not isinstance(profile, str) or not profile:
-        raise APIError(400, "Missing required parameter: 'profile'.", param="profile",
-                       code="missing_required_parameter")
-    task_input = body.get("input")
-    if isinstance(task_input, str) and task_input.strip():
-        messages = [{"role": "user", "content": task_input}]
-    elif isinstance(task_input, list) and task_input and all(isinstance(m, dict) and "role" in m for m in task_input):
-        messages = task_input
-    else:
-        raise APIError(400, "'input' must be a non-empty string or a list of chat messages.", param="input")
-    limits = body.get("limits") or {}
-    if not isinstance(limits, dict) or any(k not in LIMIT_KEYS or not isinstance(v, (int, float)) or v < 0
-                                           for k, v in limits.items()):
-        raise APIError(400, f"'limits' may set only {', '.join(LIMIT_KEYS)}, each a number >= 0.", param="limits")
+    parsed = validate_agent_run(await read_json_body(request, gateway.settings.server.max_body_bytes))
+    profile, messages, limits = parsed.profile, parsed.input, parsed.limits or {}
+    unknown = sorted(set(limits) - set(LIMIT_KEYS))
+    if unknown:
+        raise APIError(400, f"Unknown limit '{unknown[0][:64]}': 'limits' may set only {', '.join(LIMIT_KEYS)}.",
+                       param=f"limits.{unknown[0][:64]}", code="invalid_value")
     loop, recorder = gateway.agents.prepare(profile, messages, principal, limits=limits, hold_for_approval=True)
     loop.cancelled_as = ("interrupted", None)
     await recorder.start(loop.state)

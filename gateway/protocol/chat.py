@@ -5,22 +5,18 @@ Pure functions over dicts; the API layer does the I/O.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from functools import lru_cache
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import orjson
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, Field, TypeAdapter, WithJsonSchema, field_validator, model_validator
 
-from gateway.errors import APIError
+from gateway.protocol.strict import Fault, Missing, Strict, check_type, validate
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
-
-
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
+ROLES: tuple[str, ...] = get_args(Role)
 
 
 def _valid_schema(value: dict[str, Any]) -> dict[str, Any]:
@@ -43,48 +39,242 @@ def _schema_problem(schema_json: bytes) -> str | None:
 
 # A tool's parameters: an object that is itself a valid JSON Schema.
 JsonSchema = Annotated[dict[str, Any], AfterValidator(_valid_schema)]
+_NAME_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
+_Name = Annotated[str, Field(pattern=_NAME_PATTERN)]
 
 
-class _Function(_Open):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+class _Function(Strict):
+    name: _Name
     description: str | None = None
     parameters: JsonSchema | None = None
     strict: bool | None = None
 
 
-class _Tool(_Open):
+class _Tool(Strict):
     type: Literal["function"]
     function: _Function
 
 
-class _Message(_Open):
+# ------------------------------------------------------------------------------------------- messages
+
+
+class _TextPart(Strict):
+    text: str
+
+
+class _ImageURL(Strict):
+    url: str
+
+
+class _ImagePart(Strict):
+    image_url: _ImageURL
+
+
+class _Audio(Strict):
+    data: str
+    format: str
+
+
+class _AudioPart(Strict):
+    input_audio: _Audio
+
+
+class _FilePart(Strict):
+    file: dict[str, Any]
+
+
+class _RefusalPart(Strict):
+    refusal: str
+
+
+_PARTS: dict[str, type[BaseModel]] = {"text": _TextPart, "image_url": _ImagePart, "input_audio": _AudioPart,
+                                      "file": _FilePart, "refusal": _RefusalPart}
+_parts = TypeAdapter(list[Annotated[Any, AfterValidator(lambda p: check_type(p, _PARTS, tuple(_PARTS),
+                                                                             "a content part"))]])
+
+
+_STRING = {"type": "string"}
+_OBJECT = {"type": "object"}
+_PART_SCHEMA = {"type": "object", "required": ["type"], "properties": {
+    "type": {"enum": list(_PARTS)}, "text": _STRING, "refusal": _STRING, "file": _OBJECT,
+    "image_url": {"type": "object", "required": ["url"], "properties": {"url": _STRING}},
+    "input_audio": {"type": "object", "required": ["data", "format"], "properties": {"data": _STRING,
+                                                                                    "format": _STRING}}}}
+# What the checks below accept, for the published OpenAPI document: the fields they check have no pydantic type.
+CONTENT_SCHEMA = {"anyOf": [_STRING, {"type": "array", "items": _PART_SCHEMA}, {"type": "null"}]}
+
+
+def _content(value: Any) -> Any:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        _parts.validate_python(value)
+        return value
+    raise Fault("expected a string or an array of content parts.", code="invalid_type")
+
+
+class _CalledFunction(Strict):
+    name: str
+    arguments: str
+
+
+class _ToolCall(Strict):
+    id: Annotated[str, Field(min_length=1)]
+    type: Literal["function"]
+    function: _CalledFunction
+
+
+class _Message(Strict):
     role: Role
-    content: str | list[dict[str, Any]] | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    content: Annotated[Any, AfterValidator(_content), WithJsonSchema(CONTENT_SCHEMA)] = None
+    tool_calls: list[_ToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
 
+    @model_validator(mode="after")
+    def _what_the_role_needs(self) -> _Message:
+        if self.role == "tool" and not self.tool_call_id:
+            raise Missing(("tool_call_id",))
+        if self.content is None and not (self.role == "assistant" or self.role == "function"):
+            raise Missing(("content",))
+        return self
 
-class _StreamOptions(_Open):
+
+def _answered_calls(messages: list[_Message]) -> None:
+    """Each assistant message with tool calls followed at once by a tool message for each call, and no tool
+    message that answers none: a history that pairs is the only kind a trajectory can be trained on."""
+    pending: dict[str, int] = {}  # call id -> the index of the assistant message that made it
+    for i, message in enumerate(messages):
+        if message.role == "tool":
+            if message.tool_call_id not in pending:
+                raise Fault("Invalid parameter: messages with role 'tool' must be a response to a preceding "
+                            "message with 'tool_calls'.", (i, "role"))
+            del pending[message.tool_call_id]
+            continue
+        if pending:
+            break
+        pending = {call.id: i for call in message.tool_calls or ()} if message.role == "assistant" else {}
+    if pending:
+        first = min(pending.values())
+        raise Fault("An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+                    "'tool_call_id'. The following tool_call_ids did not have response messages: "
+                    f"{', '.join(pending)}.", (first, "role"))
+
+
+def _paired(messages: list[_Message]) -> list[_Message]:
+    _answered_calls(messages)
+    return messages
+
+
+# A conversation as chat completions take it: at least one message, every tool call answered.
+Messages = Annotated[list[_Message], Field(min_length=1), AfterValidator(_paired)]
+
+
+# --------------------------------------------------------------------------------------------- options
+
+
+class _StreamOptions(Strict):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(_Open):
+class _NamedFunction(Strict):
+    name: str
+
+
+class _NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: _NamedFunction
+
+
+class _AllowedTools(Strict):
+    mode: Literal["auto", "required"]
+    tools: list[dict[str, Any]]
+
+
+class _AllowedToolsChoice(Strict):
+    type: Literal["allowed_tools"]
+    allowed_tools: _AllowedTools
+
+
+_CHOICES: dict[str, type[BaseModel]] = {"function": _NamedToolChoice, "allowed_tools": _AllowedToolsChoice}
+
+
+_TOOL_CHOICE_SCHEMA = {"anyOf": [
+    {"enum": ["none", "auto", "required"]},
+    {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {"name": _STRING}}}},
+    {"type": "object", "required": ["type", "allowed_tools"], "properties": {
+        "type": {"const": "allowed_tools"},
+        "allowed_tools": {"type": "object", "required": ["mode", "tools"], "properties": {
+            "mode": {"enum": ["auto", "required"]}, "tools": {"type": "array", "items": _OBJECT}}}}},
+    {"type": "null"}]}
+
+
+def _tool_choice(value: Any) -> Any:
+    if isinstance(value, dict):
+        return check_type(value, _CHOICES, tuple(_CHOICES), "a tool choice")
+    if value is None or value in ("none", "auto", "required"):
+        return value
+    if isinstance(value, str):
+        raise Fault(f"Invalid value: '{value[:64]}'. Supported values are: 'none', 'auto' and 'required'.")
+    raise Fault("expected 'none', 'auto', 'required' or a tool choice object.", code="invalid_type")
+
+
+class _JsonSchemaSpec(Strict):
+    name: _Name
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class _JsonSchemaFormat(Strict):
+    json_schema: _JsonSchemaSpec
+
+
+_FORMATS: dict[str, type[BaseModel]] = {"json_schema": _JsonSchemaFormat}
+
+
+_RESPONSE_FORMAT_SCHEMA = {"type": "object", "required": ["type"], "properties": {
+    "type": {"enum": ["text", "json_object", "json_schema"]},
+    "json_schema": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": _NAME_PATTERN}, "description": _STRING, "schema": _OBJECT,
+        "strict": {"type": "boolean"}}}}}
+
+
+def _response_format(value: Any) -> Any:
+    return check_type(value, _FORMATS, ("text", "json_object", "json_schema"), "a response format")
+
+
+Unit = Annotated[float, Field(ge=-2, le=2)]
+
+
+class ChatCompletionRequest(Strict):
+    """A ``POST /v1/chat/completions`` body: what OpenAI checks, checked as strictly; other fields pass."""
+
     model: str = ""  # none: routing applies the key's, tenant's or configured default
-    messages: list[_Message] = Field(min_length=1)
+    messages: Messages
     stream: bool = False
     stream_options: _StreamOptions | None = None
     tools: list[_Tool] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Annotated[Any, AfterValidator(_tool_choice), WithJsonSchema(_TOOL_CHOICE_SCHEMA)] = None
     parallel_tool_calls: bool | None = None
     n: int = Field(1, ge=1, le=16)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
+    presence_penalty: Unit | None = None
+    frequency_penalty: Unit | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     seed: int | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: Annotated[Any, AfterValidator(_response_format),
+                               WithJsonSchema({"anyOf": [_RESPONSE_FORMAT_SCHEMA, {"type": "null"}]})] = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
     prompt_cache_key: str | None = None
 
@@ -95,24 +285,26 @@ class ChatCompletionRequest(_Open):
             raise ValueError("at most 4 stop sequences")
         return value
 
+    @model_validator(mode="after")
+    def _choice_names_a_tool(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        if choice is None or choice in ("none", "auto"):
+            return self
+        if not self.tools:
+            raise Fault("Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are "
+                        "specified.", ("tool_choice",))
+        if isinstance(choice, dict) and choice.get("type") == "function":
+            name = choice["function"]["name"]
+            if name not in {tool.function.name for tool in self.tools}:
+                raise Fault(f"Invalid value for 'tool_choice': no function named '{name[:64]}' is in 'tools'.",
+                            ("tool_choice", "function", "name"))
+        return self
+
 
 def validate_chat_request(body: Any) -> ChatCompletionRequest:
     """Check a decoded body against the chat-completions contract; raise a 400 that names the field."""
-    if not isinstance(body, dict):
-        raise APIError(400, "Request body must be a JSON object.")
-    try:
-        return ChatCompletionRequest.model_validate(body)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        raise request_error(err, ".".join(str(p) for p in err["loc"]) or None) from None
-
-
-def request_error(err: Mapping[str, Any], param: str | None) -> APIError:
-    """A request's first validation error as the 400 OpenAI sends, missing and invalid fields told apart."""
-    if err["type"] == "missing":
-        return APIError(400, f"Missing required parameter: '{param}'.", param=param,
-                        code="missing_required_parameter")
-    return APIError(400, f"Invalid value for '{param}': {err['msg']}", param=param, code="invalid_value")
+    parsed: ChatCompletionRequest = validate(ChatCompletionRequest, body)
+    return parsed
 
 
 def carries_output(chunk: dict[str, Any]) -> bool:

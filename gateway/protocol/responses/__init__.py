@@ -10,7 +10,6 @@ from gateway.protocol.responses.from_chat import chat_to_response, failure_code,
 from gateway.protocol.responses.stream import ResponseStream
 from gateway.protocol.responses.to_chat import (
     LOCAL_SHELL_FUNCTION,
-    MISSING_OUTPUT,
     conversation_messages,
     responses_to_chat,
 )
@@ -19,7 +18,6 @@ from gateway.protocol.responses.validation import validate_responses_request
 
 __all__ = [
     "LOCAL_SHELL_FUNCTION",
-    "MISSING_OUTPUT",
     "ResponseStream",
     "ToolEntry",
     "ToolMap",

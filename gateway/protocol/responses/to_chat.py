@@ -4,8 +4,8 @@
 ``input`` items become chat messages: ``function_call`` / ``custom_tool_call`` / ``local_shell_call``
 items become assistant ``tool_calls`` (consecutive calls, and the assistant text just before them,
 share one assistant message), their outputs become ``tool`` messages. Chat backends reject a history in
-which a tool call is not followed at once by its result, so results are moved next to their calls, a
-missing result is replaced by a ``tool`` message saying so, and a result whose call is absent is dropped.
+which a tool call is not followed at once by its result, so results are moved next to their calls; a call
+without its output, or an output without its call, is a 400, as OpenAI answers it.
 ``reasoning``, ``item_reference``, ``web_search_call`` and every other item type are dropped.
 """
 
@@ -20,7 +20,6 @@ from gateway.protocol.responses.tools import ToolMap
 from gateway.protocol.responses.validation import _ROLES
 
 LOCAL_SHELL_FUNCTION = "local_shell"
-MISSING_OUTPUT = "No output was recorded for this tool call."
 
 
 def responses_to_chat(body: dict[str, Any], history: list[dict[str, Any]] | None = None
@@ -99,7 +98,10 @@ def _tool_choice(choice: Any, tool_map: ToolMap) -> Any:
     kind = choice.get("type")
     if kind in ("function", "custom"):
         name = tool_map.find(choice.get("name"), choice.get("namespace"))
-        return {"type": "function", "function": {"name": name}} if name else "auto"
+        if not name:
+            raise APIError(400, f"Tool choice '{kind}' with name '{str(choice.get('name'))[:64]}' not found in "
+                                "'tools' parameter.", param="tool_choice", code="invalid_value")
+        return {"type": "function", "function": {"name": name}}
     if kind == "allowed_tools":
         allowed: set[str] = set()
         for ref in choice.get("tools") or ():
@@ -250,11 +252,17 @@ def _pair_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for message in messages:
         if message.get("role") == "tool":
             results.setdefault(message.get("tool_call_id") or "", []).append(message)
+    made = {call.get("id") or "" for m in messages if m.get("role") == "assistant"
+            for call in m.get("tool_calls") or ()}
+    orphans = sorted(results.keys() - made)
+    if orphans:
+        raise APIError(400, f"No tool call found for function call output with call_id {orphans[0][:64]}.",
+                       param="input")
     out: list[dict[str, Any]] = []
     for message in messages:
         role = message.get("role")
         if role == "tool":
-            continue  # placed after its call below, or dropped when its call is absent
+            continue  # placed after its call below
         calls = message.get("tool_calls") if role == "assistant" else None
         if role == "assistant" and not calls:
             message.pop("tool_calls", None)
@@ -266,8 +274,10 @@ def _pair_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         images: list[dict[str, Any]] = []
         for call in calls:
             queue = results.get(call.get("id") or "")
-            result = dict(queue.pop(0)) if queue else {"role": "tool", "tool_call_id": call.get("id") or "",
-                                                        "content": MISSING_OUTPUT}
+            if not queue:
+                raise APIError(400, f"No tool output found for function call {(call.get('id') or '')[:64]}.",
+                               param="input")
+            result = dict(queue.pop(0))
             images += result.pop("_images", None) or []
             out.append(result)
         if images:  # chat tool messages cannot hold images; they follow as the user's

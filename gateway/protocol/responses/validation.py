@@ -1,46 +1,43 @@
 """``POST /v1/responses`` bodies checked against the contract, as ``protocol/chat.py`` checks chat requests.
 
-Lenient where the translation is: unknown item and tool types pass (they are dropped), unknown fields pass.
-Params are named as OpenAI names them for this API (``input[2].call_id``). Items, tools and tool choices are
-checked by the model of their ``type``, picked by a function rather than a pydantic union: a union's errors
-name its members in their location (``input.0.function_call.call_id``), not the field.
+Item and content-part types are those OpenAI accepts (an unknown one is a 400 that lists them); those the
+translation cannot give a chat backend (``reasoning``, ``compaction``) are accepted and dropped there, as are
+tools of any type but ``function``, ``custom`` and ``namespace``. Unknown fields pass. Params are named as
+OpenAI names them (``input[2].call_id``). Items, tools and tool choices are checked by the model of their
+``type`` (``strict.check_type``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import (
     AfterValidator,
     BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     TypeAdapter,
     ValidationError,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
+    WithJsonSchema,
     WrapValidator,
     field_validator,
     model_validator,
 )
 
-from gateway.errors import APIError
-from gateway.protocol.chat import JsonSchema, request_error
+from gateway.protocol.chat import JsonSchema
+from gateway.protocol.strict import Missing, Strict, check_type, validate
 
 _Role = Literal["user", "assistant", "system", "developer"]
 _ROLES: tuple[str, ...] = get_args(_Role)
 
 
-class _Missing(ValueError):
-    """Raised by a check here: the field counts as absent, and the 400 says it is missing."""
-
-
 def _given(value: Any) -> Any:
     # SDKs send null for a field they leave unset: a null required field is a missing one
     if value is None:
-        raise _Missing("required")
+        raise Missing()
     return value
 
 
@@ -49,7 +46,7 @@ def _needed(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
     try:
         return handler(value)
     except ValidationError:
-        raise _Missing("required") from None
+        raise Missing() from None
 
 
 _T = TypeVar("_T")
@@ -58,28 +55,10 @@ _Needed = Annotated[_T, WrapValidator(_needed)]  # required, a wrong value count
 _NonEmpty = Annotated[str, Field(min_length=1)]
 
 
-class _Strict(BaseModel):
-    # Values are checked as the JSON has them, never coerced: "1" is no number here, nor 1 a boolean.
-    model_config = ConfigDict(extra="allow", strict=True)
-
-
-class _Typed(_Strict):
-    type: _Given[str]
-
-
-def _by_type(value: Any, models: dict[str, type[BaseModel]], what: str, message_by_role: bool = False) -> Any:
-    """Check an item or a tool by the model of its ``type``; a type without one passes."""
-    if not isinstance(value, dict):
-        raise ValueError(f"expected {what} object.")
-    kind = value.get("type")
-    if kind is None and message_by_role and "role" in value:
-        kind = "message"  # the SDK's ``EasyInputMessage``: a role and no type
-    elif not isinstance(kind, str):
-        _Typed.model_validate(value)  # names the fault: no type, or not a string
-    model = models.get(kind)
-    if model is not None:
-        model.model_validate(value)
-    return value
+def _typed(value: Any, models: dict[str, type[BaseModel]], allowed: tuple[str, ...], what: str) -> Any:
+    # the SDK's ``EasyInputMessage`` has a role and no type
+    default = "message" if isinstance(value, dict) and "role" in value else None
+    return check_type(value, models, allowed, what, default=default)
 
 
 def _text_or_list(adapter: TypeAdapter[Any], why: str) -> Callable[[Any], Any]:
@@ -96,10 +75,21 @@ def _text_or_list(adapter: TypeAdapter[Any], why: str) -> Callable[[Any], Any]:
 # --------------------------------------------------------------------------------------------- items
 
 
+class _TextPart(Strict):
+    text: _Given[str]
+
+
+class _RefusalPart(Strict):
+    refusal: _Given[str]
+
+
+_PARTS: dict[str, type[BaseModel]] = {"input_text": _TextPart, "output_text": _TextPart, "summary_text": _TextPart,
+                                      "reasoning_text": _TextPart, "refusal": _RefusalPart}
+_PART_TYPES = (*_PARTS, "input_image", "input_file", "input_audio", "computer_screenshot")
+
+
 def _content_part(part: Any) -> Any:
-    if not isinstance(part, str) and not (isinstance(part, dict) and isinstance(part.get("type"), str)):
-        raise ValueError("expected a content part with a 'type'.")
-    return part
+    return check_type(part, _PARTS, _PART_TYPES, "a content part")
 
 
 _content = _text_or_list(TypeAdapter(list[Annotated[Any, AfterValidator(_content_part)]]),
@@ -118,25 +108,25 @@ def _output(value: Any) -> Any:
     return value
 
 
-class _MessageItem(_Strict):
+class _MessageItem(Strict):
     # No role is a wrong one, not a missing one: the default is checked as any role is.
     role: _Role = Field(None, validate_default=True)
     content: _Given[Annotated[Any, AfterValidator(_content)]]
 
 
-class _FunctionCallItem(_Strict):
+class _FunctionCallItem(Strict):
     call_id: _Given[_NonEmpty]
     name: _Given[_NonEmpty]
     arguments: Annotated[Any, AfterValidator(_arguments)] = None
 
 
-class _CustomToolCallItem(_Strict):
+class _CustomToolCallItem(Strict):
     call_id: _Given[_NonEmpty]
     name: _Given[_NonEmpty]
     input: _Given[str]
 
 
-class _ToolOutputItem(_Strict):
+class _ToolOutputItem(Strict):
     call_id: _Given[_NonEmpty]
     output: _Given[Annotated[Any, AfterValidator(_output)]]
 
@@ -148,36 +138,58 @@ _ITEMS: dict[str, type[BaseModel]] = {
     "function_call_output": _ToolOutputItem,
     "custom_tool_call_output": _ToolOutputItem,
 }
+# What OpenAI accepts as input items, and what Codex sends besides (its context compaction); the translation
+# gives a chat backend messages, calls and their outputs, and drops the rest.
+_ITEM_TYPES = (*_ITEMS, "local_shell_call", "local_shell_call_output", "shell_call", "shell_call_output",
+               "apply_patch_call", "apply_patch_call_output", "reasoning", "compaction", "compaction_summary",
+               "item_reference", "additional_tools", "web_search_call", "file_search_call", "computer_call",
+               "computer_call_output", "image_generation_call", "code_interpreter_call", "mcp_list_tools",
+               "mcp_approval_request", "mcp_approval_response", "mcp_call", "tool_search_call",
+               "tool_search_output")
 
 
 def _input_item(value: Any) -> Any:
-    return _by_type(value, _ITEMS, "an input item", message_by_role=True)
+    return _typed(value, _ITEMS, _ITEM_TYPES, "an input item")
 
 
 _input_value = _text_or_list(TypeAdapter(list[Annotated[Any, AfterValidator(_input_item)]]),
                        "expected a string or an array of input items.")
+
+# What the checks accept, for the published OpenAPI document: these fields have no pydantic type of their own.
+_STRING = {"type": "string"}
+_ID = {"type": "string", "minLength": 1}
+_CONTENT_SCHEMA = {"anyOf": [_STRING, {"type": "array", "items": {
+    "type": "object", "required": ["type"],
+    "properties": {"type": {"enum": list(_PART_TYPES)}, "text": _STRING, "refusal": _STRING}}}]}
+_INPUT_SCHEMA = {"anyOf": [_STRING, {"type": "array", "items": {"type": "object", "properties": {
+    "type": {"enum": list(_ITEM_TYPES)}, "role": {"enum": list(_ROLES)}, "content": _CONTENT_SCHEMA,
+    "call_id": _ID, "name": _ID, "arguments": _STRING, "input": _STRING,
+    "output": {"anyOf": [_STRING, {"type": "array"}]}}}}, {"type": "null"}]}
 
 
 # --------------------------------------------------------------------------------------------- tools
 
 
 def _tool(value: Any) -> Any:
-    return _by_type(value, _TOOLS, "a tool")
+    # Any tool type passes: built-in ones come and go with each client release, and the translation drops
+    # (and logs) what a chat backend cannot run rather than refusing the client's whole request.
+    return _typed(value, _TOOLS, None, "a tool")
 
 
-_Tool = Annotated[Any, AfterValidator(_tool)]
+_Tool = Annotated[Any, AfterValidator(_tool), WithJsonSchema({"type": "object", "required": ["type"], "properties": {
+    "type": _STRING, "name": _ID, "parameters": {"type": "object"}, "tools": {"type": "array"}}})]
 
 
-class _FunctionTool(_Strict):
+class _FunctionTool(Strict):
     name: _Given[_NonEmpty]
     parameters: JsonSchema | None = None
 
 
-class _CustomTool(_Strict):
+class _CustomTool(Strict):
     name: _Given[_NonEmpty]
 
 
-class _NamespaceTool(_Strict):
+class _NamespaceTool(Strict):
     name: _Given[_NonEmpty]
     tools: _Given[list[_Tool]]
 
@@ -185,17 +197,22 @@ class _NamespaceTool(_Strict):
 _TOOLS: dict[str, type[BaseModel]] = {"function": _FunctionTool, "custom": _CustomTool, "namespace": _NamespaceTool}
 
 
-class _NamedToolChoice(_Strict):
+class _NamedToolChoice(Strict):
     name: _Needed[str]
 
 
-class _AllowedToolsChoice(_Strict):
+class _AllowedToolsChoice(Strict):
     tools: _Needed[list[Any]]
 
 
 _CHOICE_MODES = ("auto", "none", "required")
 _TOOL_CHOICES: dict[str, type[BaseModel]] = {
     "function": _NamedToolChoice, "custom": _NamedToolChoice, "allowed_tools": _AllowedToolsChoice}
+
+
+_TOOL_CHOICE_SCHEMA = {"anyOf": [{"enum": list(_CHOICE_MODES)}, {"type": "object", "required": ["type"], "properties": {
+    "type": {"enum": [*_TOOL_CHOICES, "web_search_preview", "mcp"]}, "name": _STRING, "tools": {"type": "array"},
+    "mode": {"enum": ["auto", "required"]}}}, {"type": "null"}]}
 
 
 def _tool_choice(value: Any) -> Any:
@@ -212,7 +229,7 @@ def _tool_choice(value: Any) -> Any:
 # ------------------------------------------------------------------------------------------ text.format
 
 
-class _JsonSchemaFormat(_Strict):
+class _JsonSchemaFormat(Strict):
     name: _Needed[_NonEmpty]
     schema_: _Needed[dict[str, Any]] = Field(alias="schema")
 
@@ -227,11 +244,11 @@ def _text_format(value: Any) -> Any:
     return value
 
 
-class _Text(_Strict):
+class _Text(Strict):
     format: Annotated[Any, AfterValidator(_text_format)] = None
 
 
-class _TextFormat(_Strict):
+class _TextFormat(Strict):
     """``text`` once more, for its ``format`` alone: validated from the top so that a fault is located there."""
 
     text: _Text
@@ -240,13 +257,13 @@ class _TextFormat(_Strict):
 # ------------------------------------------------------------------------------------------- request
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(Strict):
     """A ``POST /v1/responses`` body. The fields are in the order they are checked: the first fault is
     the one reported."""
 
     model: _Given[_NonEmpty]
     previous_response_id: _NonEmpty | None = None
-    input: Any = Field(None, validate_default=True)
+    input: Annotated[Any, WithJsonSchema(_INPUT_SCHEMA)] = Field(None, validate_default=True)
     instructions: str | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -257,17 +274,20 @@ class ResponsesRequest(_Strict):
     background: bool | None = None
     metadata: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
-    text: dict[str, Any] | None = None
+    text: Annotated[dict[str, Any] | None, WithJsonSchema({"anyOf": [{"type": "object", "properties": {"format": {
+        "type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["text", "json_schema", "json_object"]}, "name": _ID,
+            "schema": {"type": "object"}}}}}, {"type": "null"}]})] = None
     client_metadata: dict[str, Any] | None = None
     tools: list[_Tool] | None = None
-    tool_choice: Annotated[Any, AfterValidator(_tool_choice)] = None
+    tool_choice: Annotated[Any, AfterValidator(_tool_choice), WithJsonSchema(_TOOL_CHOICE_SCHEMA)] = None
 
     @field_validator("input")
     @classmethod
     def _input(cls, value: Any, info: ValidationInfo) -> Any:
         if value is None:
             if not info.data.get("previous_response_id"):  # a continuation may add nothing
-                raise _Missing("required")
+                raise Missing()
             return value
         return _input_value(value)
 
@@ -281,21 +301,4 @@ class ResponsesRequest(_Strict):
 
 def validate_responses_request(body: Any) -> None:
     """Check a decoded ``POST /v1/responses`` body; raise a 400 ``APIError`` that names the field."""
-    if not isinstance(body, dict):
-        raise APIError(400, "Request body must be a JSON object.")
-    try:
-        ResponsesRequest.model_validate(body)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        cause = (err.get("ctx") or {}).get("error")
-        if isinstance(cause, ValueError):  # a check of this module's: its own words, not "Value error, ..."
-            err = {**err, "type": "missing" if isinstance(cause, _Missing) else err["type"], "msg": str(cause)}
-        raise request_error(err, _param(err["loc"])) from None
-
-
-def _param(loc: Sequence[int | str]) -> str | None:
-    """``("input", 2, "call_id")`` as OpenAI writes it: ``input[2].call_id``."""
-    param = ""
-    for part in loc:
-        param += f"[{part}]" if isinstance(part, int) else f".{part}" if param else part
-    return param or None
+    validate(ResponsesRequest, body)

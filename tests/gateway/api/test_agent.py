@@ -97,15 +97,21 @@ def test_agent_runs_endpoint(served: Served) -> None:
     assert run["status"] == "terminated" and run["termination_reason"] == "max_steps"
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"input": "x"}, "profile"),
-    ({"profile": "calc"}, "input"),
-    ({"profile": "calc", "input": "x", "limits": {"max_steps": "many"}}, "limits"),
-    ({"profile": "calc", "input": "x", "limits": {"bogus": 1}}, "limits"),
+@pytest.mark.parametrize("body, param, code", [
+    ({"input": "x"}, "profile", "missing_required_parameter"),
+    ({"profile": "calc"}, "input", "missing_required_parameter"),
+    ({"profile": "calc", "input": "  "}, "input", "invalid_value"),
+    ({"profile": "calc", "input": 7}, "input", "invalid_type"),
+    ({"profile": "calc", "input": [{"role": "user"}]}, "input[0].content", "missing_required_parameter"),
+    ({"profile": "calc", "input": [{"role": "tool", "content": "3"}]}, "input[0].tool_call_id",
+     "missing_required_parameter"),
+    ({"profile": "calc", "input": "x", "limits": {"max_steps": "many"}}, "limits.max_steps", "invalid_type"),
+    ({"profile": "calc", "input": "x", "limits": {"max_steps": -1}}, "limits.max_steps", "invalid_value"),
+    ({"profile": "calc", "input": "x", "limits": {"bogus": 1}}, "limits.bogus", "invalid_value"),
 ])
-def test_agent_runs_bad_input(served: Served, body: dict, param: str) -> None:
+def test_agent_runs_bad_input(served: Served, body: dict, param: str, code: str) -> None:
     r = httpx.post(served.url + "/v1/agent/runs", json=body)
-    assert r.status_code == 400 and r.json()["error"]["param"] == param
+    assert r.status_code == 400 and (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, code), r.text
 
 
 def test_unknown_profile_and_run(served: Served) -> None:

@@ -105,7 +105,7 @@ def test_tool_calls_and_parameters_pass_through(shared_gateway: GatewayProcess, 
     (b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
     (b'{"model": "stand-in-model", "messages": [{"role": "user", "content": "x"}], "tools": '
      b'[{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]}', 400,
-     "tools.0.function.parameters"),
+     "tools[0].function.parameters"),
 ])
 def test_bad_input_gets_an_openai_error(shared_gateway: GatewayProcess, body: bytes, status: int, param) -> None:
     r = httpx.post(shared_gateway.url + "/v1/chat/completions", content=body,
@@ -114,6 +114,41 @@ def test_bad_input_gets_an_openai_error(shared_gateway: GatewayProcess, body: by
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param
+
+
+USER = {"role": "user", "content": "x"}
+CALL = {"role": "assistant", "content": None,
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("extra, param, code", [
+    ({"messages": [USER, CALL, {"role": "tool", "content": "1"}]}, "messages[2].tool_call_id",
+     "missing_required_parameter"),
+    ({"stream": "yes"}, "stream", "invalid_type"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name",
+     "invalid_value"),
+    ({"messages": [{"role": "user", "content": [{"type": "hologram", "hologram": {}}]}]},
+     "messages[0].content[0].type", "invalid_value"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type", "invalid_value"),
+    ({"messages": [USER, CALL, USER]}, "messages[1].role", "invalid_value"),
+])
+def test_what_openai_refuses_is_refused_and_not_recorded(gateway: GatewayProcess, extra: dict, param: str,
+                                                         code: str) -> None:
+    r = httpx.post(gateway.url + "/v1/chat/completions",
+                   json={"model": "stand-in-model", "messages": [USER], **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, code), err
+    assert _rows(gateway, "SELECT COUNT(*) FROM trajectories") == [(0,)]
+
+
+def test_unknown_top_level_fields_still_pass_through(standin, shared_gateway: GatewayProcess) -> None:
+    asked = {"role": "user", "content": "pass the knob through"}
+    r = httpx.post(shared_gateway.url + "/v1/chat/completions",
+                   json={"model": "stand-in-model", "messages": [asked], "vendor_knob": {"depth": 3}})
+    assert r.status_code == 200, r.text
+    assert [c["vendor_knob"] for c in standin[0].calls if c["messages"][-1] == asked] == [{"depth": 3}]
 
 
 def test_sdk_sees_bad_request_as_an_openai_error(shared_gateway: GatewayProcess) -> None:

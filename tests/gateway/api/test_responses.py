@@ -135,6 +135,25 @@ def test_bad_requests_are_400s(tmp_path: Path) -> None:
         assert r.status_code == 404
 
 
+def test_a_call_without_its_output_is_refused_in_a_continuation_too(tmp_path: Path) -> None:
+    """No output is invented for a call: OpenAI answers 400, and so does the gateway, recording nothing."""
+    for served in serve(tmp_path, [call("get_weather", {"city": "Paris"})]):
+        client = _client(served.url)
+        first = client.responses.create(model="scripted-model", input="Weather in Paris?", tools=[WEATHER])
+        (item,) = [o for o in first.output if o.type == "function_call"]
+        recorded = _rows(served, "SELECT COUNT(*) FROM trajectories")
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.responses.create(model="scripted-model", previous_response_id=first.id, tools=[WEATHER],
+                                    input=[{"role": "user", "content": "and tomorrow?"}])
+        assert exc.value.body["param"] == "input"
+        assert exc.value.body["message"] == f"No tool output found for function call {item.call_id}."
+        bare = [{"type": "function_call", "call_id": "c9", "name": "get_weather", "arguments": "{}"}]
+        r = httpx.post(served.url + "/v1/responses", json={"model": "scripted-model", "input": bare})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+        assert _rows(served, "SELECT COUNT(*) FROM trajectories") == recorded
+        assert len(served.backend.requests) == 1
+
+
 class _Breaks:
     """A stream that sends some text, then fails."""
 

@@ -11,24 +11,72 @@ def test_valid_request_keeps_unknown_fields() -> None:
     assert parsed.stream and parsed.model == "m"
 
 
-@pytest.mark.parametrize("body, param, status", [
-    ({"model": "m"}, "messages", 400),
-    ({**OK, "messages": []}, "messages", 400),
-    ({**OK, "messages": "hi"}, "messages", 400),
-    ({**OK, "temperature": "hot"}, "temperature", 400),
-    ({**OK, "n": 0}, "n", 400),
-    ({**OK, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", 400),
-    ({**OK, "tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name", 400),
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+CALL = {"role": "assistant", "content": None,
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]}
+
+
+@pytest.mark.parametrize("body, param, code", [
+    ({"model": "m"}, "messages", "missing_required_parameter"),
+    ({**OK, "messages": []}, "messages", "invalid_value"),
+    ({**OK, "messages": "hi"}, "messages", "invalid_type"),
+    ({**OK, "temperature": "hot"}, "temperature", "invalid_type"),
+    ({**OK, "temperature": "1"}, "temperature", "invalid_type"),
+    ({**OK, "n": 0}, "n", "invalid_value"),
+    ({**OK, "n": 1.5}, "n", "invalid_type"),
+    ({**OK, "stream": "yes"}, "stream", "invalid_type"),
+    ({**OK, "stream": 1}, "stream", "invalid_type"),
+    ({**OK, "max_tokens": "10"}, "max_tokens", "invalid_type"),
+    ({**OK, "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "invalid_value"),
+    ({**OK, "messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
+    ({**OK, "messages": [{"role": "user", "content": [{"type": "video", "video": "x"}]}]},
+     "messages[0].content[0].type", "invalid_value"),
+    ({**OK, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages[0].content[0].text", "missing_required_parameter"),
+    ({**OK, "messages": [{"role": "user", "content": [{"text": "x"}]}]},
+     "messages[0].content[0].type", "missing_required_parameter"),
+    ({**OK, "messages": [{"role": "user", "content": "x"}, CALL, {"role": "tool", "content": "3"}]},
+     "messages[2].tool_call_id", "missing_required_parameter"),
+    ({**OK, "messages": [{"role": "user", "content": "x"}, CALL]}, "messages[1].role", "invalid_value"),
+    ({**OK, "messages": [{"role": "user", "content": "x"}, CALL, {"role": "user", "content": "y"}]},
+     "messages[1].role", "invalid_value"),
+    ({**OK, "messages": [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "c9", "content": "3"}]},
+     "messages[1].role", "invalid_value"),
+    ({**OK, "messages": [{"role": "user", "content": "x"}, {**CALL, "tool_calls": [{"id": "c1"}]}]},
+     "messages[1].tool_calls[0].type", "missing_required_parameter"),
+    ({**OK, "tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name",
+     "invalid_value"),
     ({**OK, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]},
-     "tools.0.function.parameters", 400),
-    ({**OK, "stop": ["a", "b", "c", "d", "e"]}, "stop", 400),
+     "tools[0].function.parameters", "invalid_value"),
+    ({**OK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "mul"}}},
+     "tool_choice.function.name", "invalid_value"),
+    ({**OK, "tools": TOOLS, "tool_choice": "always"}, "tool_choice", "invalid_value"),
+    ({**OK, "tool_choice": "required"}, "tool_choice", "invalid_value"),
+    ({**OK, "response_format": {"type": "yaml"}}, "response_format.type", "invalid_value"),
+    ({**OK, "response_format": {"type": "json_schema"}}, "response_format.json_schema", "missing_required_parameter"),
+    ({**OK, "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
 ])
-def test_invalid_requests_name_the_field(body: dict, param: str, status: int) -> None:
+def test_invalid_requests_name_the_field(body: dict, param: str, code: str) -> None:
     with pytest.raises(APIError) as exc:
         validate_chat_request(body)
-    assert exc.value.status_code == status
-    assert exc.value.param == param
+    assert exc.value.status_code == 400
+    assert (exc.value.param, exc.value.code) == (param, code), exc.value.message
     assert exc.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_coerced_type_is_named_as_openai_names_it() -> None:
+    with pytest.raises(APIError) as exc:
+        validate_chat_request({**OK, "stream": "yes"})
+    assert exc.value.message == "Invalid type for 'stream': expected a boolean, but got a string instead."
+
+
+def test_a_paired_history_and_a_named_tool_pass() -> None:
+    body = {**OK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}},
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}, CALL,
+                         {"role": "tool", "tool_call_id": "c1", "content": "3"},
+                         {"role": "assistant", "content": "3"}, {"role": "user", "content": "thanks"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "out", "schema": {}}}}
+    assert validate_chat_request(body).tool_choice == {"type": "function", "function": {"name": "add"}}
 
 
 def test_non_object_body() -> None:

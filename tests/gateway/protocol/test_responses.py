@@ -14,7 +14,6 @@ from pydantic import TypeAdapter
 from gateway.errors import APIError
 from gateway.protocol.chat import ChunkAccumulator, validate_chat_request
 from gateway.protocol.responses import (
-    MISSING_OUTPUT,
     ResponseStream,
     ToolEntry,
     ToolMap,
@@ -191,13 +190,13 @@ def test_additional_tools_item_adds_tools() -> None:
     assert chat["messages"] == [{"role": "user", "content": "go"}]
 
 
-def test_missing_output_synthesized_and_orphan_dropped() -> None:
+def test_outputs_are_moved_next_to_their_calls() -> None:
     body = {"model": "m", "input": [
         {"role": "user", "content": "go"},
-        {"type": "function_call_output", "call_id": "ghost", "output": "orphan"},
         {"type": "function_call", "name": "exec_command", "arguments": "{}", "call_id": "c1"},
         {"type": "function_call", "name": "exec_command", "arguments": "{}", "call_id": "c2"},
         {"type": "function_call_output", "call_id": "c2", "output": "two"},
+        {"type": "function_call_output", "call_id": "c1", "output": "one"},
         {"role": "user", "content": "and?"},
         {"type": "function_call", "name": "exec_command", "arguments": "{}", "call_id": "c3"},
         {"role": "user", "content": "interrupted"},
@@ -206,9 +205,24 @@ def test_missing_output_synthesized_and_orphan_dropped() -> None:
     chat, _ = to_chat(body)
     roles = [(m["role"], m.get("tool_call_id"), m.get("content")) for m in chat["messages"]]
     assert roles == [
-        ("user", None, "go"), ("assistant", None, None), ("tool", "c1", MISSING_OUTPUT), ("tool", "c2", "two"),
+        ("user", None, "go"), ("assistant", None, None), ("tool", "c1", "one"), ("tool", "c2", "two"),
         ("user", None, "and?"), ("assistant", None, None), ("tool", "c3", "late"), ("user", None, "interrupted"),
     ]
+
+
+@pytest.mark.parametrize("items, message", [
+    ([{"type": "function_call", "name": "exec_command", "arguments": "{}", "call_id": "c1"}],
+     "No tool output found for function call c1."),
+    ([{"type": "custom_tool_call", "name": "apply_patch", "input": "x", "call_id": "c1"},
+      {"role": "user", "content": "never mind"}], "No tool output found for function call c1."),
+    ([{"type": "function_call_output", "call_id": "ghost", "output": "orphan"}],
+     "No tool call found for function call output with call_id ghost."),
+])
+def test_a_call_without_its_output_or_an_output_without_its_call_is_a_400(items: list, message: str) -> None:
+    """As OpenAI answers: no output is invented for a call, no output dropped for want of its call."""
+    with pytest.raises(APIError) as exc:
+        to_chat({"model": "m", "input": [{"role": "user", "content": "go"}, *items]})
+    assert exc.value.status_code == 400 and exc.value.param == "input" and exc.value.message == message
 
 
 def test_message_content_parts() -> None:
@@ -275,13 +289,19 @@ def test_local_shell_and_unknown_items() -> None:
     ({"type": "function", "name": "mcp__docs__search"},
      {"type": "function", "function": {"name": "mcp__docs__search"}}),
     ({"type": "custom", "name": "apply_patch"}, {"type": "function", "function": {"name": "apply_patch"}}),
-    ({"type": "function", "name": "nope"}, "auto"),
     ({"type": "web_search_preview"}, "auto"),
     ({"type": "mcp", "server_label": "x"}, "auto"),
 ])
 def test_tool_choice_mapping(choice: Any, expected: Any) -> None:
     chat, _ = to_chat(codex_request(tool_choice=choice))
     assert chat["tool_choice"] == expected
+
+
+def test_a_tool_choice_naming_no_offered_tool_is_a_400() -> None:
+    with pytest.raises(APIError) as exc:
+        to_chat(codex_request(tool_choice={"type": "function", "name": "nope"}))
+    assert (exc.value.status_code, exc.value.param) == (400, "tool_choice")
+    assert exc.value.message == "Tool choice 'function' with name 'nope' not found in 'tools' parameter."
 
 
 def test_allowed_tools_choice_filters_tools() -> None:
@@ -318,12 +338,12 @@ def test_history_goes_after_instructions_and_is_left_intact() -> None:
     kept = copy.deepcopy(history)
     body = {"model": "m", "instructions": "new rules", "previous_response_id": "resp_1", "input": [
         {"type": "function_call_output", "call_id": "c1", "output": "out"},
-        {"type": "function_call", "name": "exec_command", "arguments": "{}", "call_id": "c2"}]}
+        {"type": "message", "role": "user", "content": "next"}]}
     chat, _ = to_chat(body, history)
     assert history == kept
     assert [(m["role"], m.get("content")) for m in chat["messages"]] == [
         ("system", "new rules"), ("system", "old dev"), ("user", "q1"), ("assistant", "a1"), ("tool", "out"),
-        ("assistant", None), ("tool", MISSING_OUTPUT)]
+        ("user", "next")]
     assert conversation_messages(chat, body) == chat["messages"][1:]
     assert conversation_messages(chat, {"model": "m"}) == chat["messages"]
 
@@ -387,9 +407,11 @@ def test_output_maps_back_to_the_backend_message() -> None:
     message = COMPLETION["choices"][0]["message"]
     assert output_to_chat_messages(response, tool_map) == [
         {"role": "assistant", "content": "Let me check.", "tool_calls": message["tool_calls"]}]
-    # and Codex sending the output back as input items gives the same message again
+    # and Codex sending the output back as input items (with the calls' outputs) gives the same message again
+    outputs = [{"type": item["type"] + "_output", "call_id": item["call_id"], "output": "done"}
+               for item in response["output"] if item["type"] in ("function_call", "custom_tool_call")]
     chat, _ = to_chat({"model": "qwen", "tools": CODEX_TOOLS, "input": [{"role": "user", "content": "x"},
-                                                                          *response["output"]]})
+                                                                          *response["output"], *outputs]})
     assert chat["messages"][1] == {"role": "assistant", "content": "Let me check.",
                                    "tool_calls": message["tool_calls"]}
 
@@ -667,13 +689,18 @@ def test_stream_tool_call_name_before_arguments_and_late_name() -> None:
     ({"model": "m"}, "input", "missing_required_parameter"),
     ({"model": "m", "input": 5}, "input", "invalid_value"),
     ({"model": "m", "input": {"role": "user"}}, "input", "invalid_value"),
-    ({"model": "m", "input": ["hi"]}, "input[0]", "invalid_value"),
+    ({"model": "m", "input": ["hi"]}, "input[0]", "invalid_type"),
+    ({"model": "m", "input": [{"type": "brand_new_item", "x": 1}]}, "input[0].type", "invalid_value"),
+    ({"model": "m", "input": [{"role": "user", "content": [{"type": "input_video", "video": "x"}]}]},
+     "input[0].content[0].type", "invalid_value"),
+    ({"model": "m", "input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+     "input[0].content[0].text", "missing_required_parameter"),
     ({"model": "m", "input": [{"content": "x"}]}, "input[0].type", "missing_required_parameter"),
     ({"model": "m", "input": [{"role": "tool", "content": "x"}]}, "input[0].role", "invalid_value"),
     ({"model": "m", "input": [{"role": "user"}]}, "input[0].content", "missing_required_parameter"),
     ({"model": "m", "input": [{"role": "user", "content": 3}]}, "input[0].content", "invalid_value"),
-    ({"model": "m", "input": [{"role": "user", "content": [{"text": "x"}]}]}, "input[0].content[0]",
-     "invalid_value"),
+    ({"model": "m", "input": [{"role": "user", "content": [{"text": "x"}]}]}, "input[0].content[0].type",
+     "missing_required_parameter"),
     ({"model": "m", "input": [{"role": "user", "content": "x"},
                               {"type": "function_call", "name": "f", "arguments": "{}"}]},
      "input[1].call_id", "missing_required_parameter"),
@@ -682,13 +709,13 @@ def test_stream_tool_call_name_before_arguments_and_late_name() -> None:
     ({"model": "m", "input": [{"type": "function_call_output", "call_id": "c"}]},
      "input[0].output", "missing_required_parameter"),
     ({"model": "m", "input": [{"type": "custom_tool_call", "call_id": "c", "name": "p", "input": 1}]},
-     "input[0].input", "invalid_value"),
-    ({"model": "m", "input": "x", "instructions": ["x"]}, "instructions", "invalid_value"),
+     "input[0].input", "invalid_type"),
+    ({"model": "m", "input": "x", "instructions": ["x"]}, "instructions", "invalid_type"),
     ({"model": "m", "input": "x", "temperature": 3}, "temperature", "invalid_value"),
     ({"model": "m", "input": "x", "top_p": 0}, "top_p", "invalid_value"),
-    ({"model": "m", "input": "x", "max_output_tokens": True}, "max_output_tokens", "invalid_value"),
-    ({"model": "m", "input": "x", "stream": "yes"}, "stream", "invalid_value"),
-    ({"model": "m", "input": "x", "tools": {"type": "function"}}, "tools", "invalid_value"),
+    ({"model": "m", "input": "x", "max_output_tokens": True}, "max_output_tokens", "invalid_type"),
+    ({"model": "m", "input": "x", "stream": "yes"}, "stream", "invalid_type"),
+    ({"model": "m", "input": "x", "tools": {"type": "function"}}, "tools", "invalid_type"),
     ({"model": "m", "input": "x", "tools": [{"name": "f"}]}, "tools[0].type", "missing_required_parameter"),
     ({"model": "m", "input": "x", "tools": [{"type": "function"}]}, "tools[0].name", "missing_required_parameter"),
     ({"model": "m", "input": "x", "tools": [{"type": "function", "name": "f", "parameters": {"type": "nope"}}]},
@@ -714,7 +741,8 @@ def test_valid_requests_pass() -> None:
     validate_responses_request(codex_request())
     validate_responses_request({"model": "m", "previous_response_id": "resp_1", "input": []})
     validate_responses_request({"model": "m", "previous_response_id": "resp_1"})
-    validate_responses_request({"model": "m", "input": [{"type": "brand_new_item", "x": 1}],
+    validate_responses_request({"model": "m", "input": [{"type": "reasoning", "summary": []},
+                                                        {"type": "compaction", "encrypted_content": "x"}],
                                 "tools": [{"type": "brand_new_tool"}], "tool_choice": {"type": "mcp"}})
     with pytest.raises(APIError, match="JSON object"):
         validate_responses_request([1])
@@ -738,21 +766,21 @@ def test_valid_requests_pass() -> None:
     ({"model": "m", "input": "x", "text": {"format": {"type": "json_schema", "name": "", "schema": {}}}},
      "text.format.name", "missing_required_parameter"),
     # values are not coerced
-    ({"model": "m", "input": "x", "temperature": "1"}, "temperature", "invalid_value"),
-    ({"model": "m", "input": "x", "temperature": True}, "temperature", "invalid_value"),
-    ({"model": "m", "input": "x", "max_output_tokens": 5.0}, "max_output_tokens", "invalid_value"),
-    ({"model": "m", "input": "x", "store": 1}, "store", "invalid_value"),
-    ({"model": "m", "input": "x", "metadata": []}, "metadata", "invalid_value"),
+    ({"model": "m", "input": "x", "temperature": "1"}, "temperature", "invalid_type"),
+    ({"model": "m", "input": "x", "temperature": True}, "temperature", "invalid_type"),
+    ({"model": "m", "input": "x", "max_output_tokens": 5.0}, "max_output_tokens", "invalid_type"),
+    ({"model": "m", "input": "x", "store": 1}, "store", "invalid_type"),
+    ({"model": "m", "input": "x", "metadata": []}, "metadata", "invalid_type"),
     # namespaces nest, and each level is checked
     ({"model": "m", "input": "x", "tools": [{"type": "namespace", "name": "a", "tools": [
         {"type": "namespace", "name": "b", "tools": [{"type": "custom", "name": ""}]}]}]},
      "tools[0].tools[0].tools[0].name", "invalid_value"),
     # with several faults the first in check order is named; text.format comes after every other field
     ({"model": "", "input": 5, "tools": 1}, "model", "invalid_value"),
-    ({"model": "m", "input": [{"role": "user", "content": "x"}, 3, {"role": "tool"}]}, "input[1]", "invalid_value"),
+    ({"model": "m", "input": [{"role": "user", "content": "x"}, 3, {"role": "tool"}]}, "input[1]", "invalid_type"),
     ({"model": "m", "input": "x", "text": {"format": {"type": "xml"}}, "tools": [{"name": "f"}]},
      "tools[0].type", "missing_required_parameter"),
-    ({"model": "m", "input": "x", "text": 5, "tools": [{"name": "f"}]}, "text", "invalid_value"),
+    ({"model": "m", "input": "x", "text": 5, "tools": [{"name": "f"}]}, "text", "invalid_type"),
 ])
 def test_invalid_requests_name_the_first_fault(body: dict[str, Any], param: str, code: str) -> None:
     with pytest.raises(APIError) as exc:
