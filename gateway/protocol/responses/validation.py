@@ -16,6 +16,7 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     BeforeValidator,
+    ConfigDict,
     Field,
     TypeAdapter,
     ValidationError,
@@ -164,7 +165,7 @@ _CONTENT_SCHEMA = {"anyOf": [_STRING, {"type": "array", "items": {
 _INPUT_SCHEMA = {"anyOf": [_STRING, {"type": "array", "items": {"type": "object", "properties": {
     "type": {"enum": list(_ITEM_TYPES)}, "role": {"enum": list(_ROLES)}, "content": _CONTENT_SCHEMA,
     "call_id": _ID, "name": _ID, "arguments": _STRING, "input": _STRING,
-    "output": {"anyOf": [_STRING, {"type": "array"}]}}}}, {"type": "null"}]}
+    "output": {"anyOf": [_STRING, {"type": "array"}]}}}}]}
 
 
 # --------------------------------------------------------------------------------------------- tools
@@ -260,6 +261,10 @@ class _TextFormat(Strict):
 class ResponsesRequest(Strict):
     """A ``POST /v1/responses`` body. The fields are in the order they are checked: the first fault is
     the one reported."""
+
+    # Published as required with ``model``: only a continuation may leave it out, which a schema cannot say.
+    model_config = ConfigDict(extra="allow", strict=True,
+                              json_schema_extra=lambda schema: schema.update(required=["model", "input"]))
 
     model: _Given[_NonEmpty]
     previous_response_id: _NonEmpty | None = None

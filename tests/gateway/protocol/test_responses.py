@@ -795,7 +795,7 @@ def test_invalid_requests_are_told_in_words() -> None:
         return exc.value.message
 
     assert message({"input": "x"}) == "Missing required parameter: 'model'."
-    assert message({"model": "m", "input": ["hi"]}) == "Invalid value for 'input[0]': expected an input item object."
+    assert message({"model": "m", "input": ["hi"]}) == "Invalid type for 'input[0]': expected an input item object."
     assert message({"model": "m", "input": "x", "tool_choice": "sometimes"}) == \
         "Invalid value for 'tool_choice': expected 'auto', 'none', 'required' or a tool choice object."
     schema = message({"model": "m", "input": "x",
