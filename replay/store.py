@@ -31,14 +31,16 @@ from replay.writer import Writer
 class TrajectoryStore:
     def __init__(self, path: str, *, synchronous: str = "NORMAL", max_batch: int = 256,
                  max_queue: int = 100_000, commit_delay_ms: float = 0.0,
-                 on_commit: Any = None) -> None:
+                 on_commit: Any = None, cache_entries: int = 20_000) -> None:
         self.path = path
         self.synchronous = synchronous
         # One transaction at a time on the store: batches, deletes and key changes.
         self._write_lock = asyncio.Lock()
-        self._stitcher = Stitcher()
+        # The in-memory caches are bounded; a miss is an indexed look-up in the database, not a wrong answer.
+        self._stitcher = Stitcher(capacity=cache_entries)
         self._writer = Writer(lock=self._write_lock, advance=self._stitcher.advance, max_batch=max_batch,
-                                   max_queue=max_queue, commit_delay=commit_delay_ms / 1000, on_commit=on_commit)
+                              max_queue=max_queue, commit_delay=commit_delay_ms / 1000, on_commit=on_commit,
+                              known_blobs=2 * cache_entries)
         self._write_conn: aiosqlite.Connection | None = None
         self._reader: aiosqlite.Connection | None = None
         self._batch_conn: sqlite3.Connection | None = None
@@ -123,6 +125,13 @@ class TrajectoryStore:
         where, args = filters.where("t")
         return [r["id"] for r in await self._select(f"SELECT t.id FROM trajectories t WHERE {where} ORDER BY t.id",
                                                     args)]
+
+    async def integrity_check(self) -> list[str]:
+        """SQLite's own check of the whole file: ``["ok"]``, or the problems it found."""
+        try:
+            return [next(iter(r.values())) for r in await self._select("PRAGMA integrity_check")]
+        except sqlite3.DatabaseError as exc:  # damage the check cannot even walk past
+            return [str(exc)]
 
     # -- deleting ----------------------------------------------------------------------------------
 

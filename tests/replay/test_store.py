@@ -225,3 +225,39 @@ async def test_a_statement_cancelled_half_way_still_commits_and_never_locks_late
     db = sqlite3.connect(store.path)
     assert db.execute("SELECT COUNT(*) FROM bot_nonces WHERE seen_at = 2").fetchone() == (20,)
     assert db.execute("SELECT COUNT(*) FROM bot_nonces WHERE seen_at = 1").fetchone() == (20,)
+
+
+async def test_integrity_check_says_ok_and_finds_damage(tmp_path: Path) -> None:
+    store = await _open(tmp_path / "s.db")
+    await _call(store, [{"role": "user", "content": "hi"}], "hello")
+    assert await store.integrity_check() == ["ok"]
+    await store.close()
+    # an index that no longer matches its table: what a torn write or a bad disk leaves
+    db = sqlite3.connect(tmp_path / "s.db")
+    index = db.execute("SELECT name, tbl_name FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL").fetchone()
+    db.execute("PRAGMA writable_schema = ON")
+    root = db.execute("SELECT rootpage FROM sqlite_master WHERE name = ?", (index[0],)).fetchone()[0]
+    db.close()
+    with open(tmp_path / "s.db", "r+b") as f:  # zero the index's root page
+        page = 4096
+        f.seek((root - 1) * page)
+        f.write(b"\0" * page)
+    store = await _open(tmp_path / "s.db")
+    try:
+        assert await store.integrity_check() != ["ok"]
+    finally:
+        await store.close()
+
+
+async def test_bounded_caches_still_stitch_what_they_evicted(tmp_path: Path) -> None:
+    store = await _open(tmp_path / "s.db", cache_entries=100)
+    try:
+        first = [SYSTEM, {"role": "user", "content": "conversation 0"}]
+        tid = await _call(store, first, "answer 0")
+        for i in range(1, 150):  # enough newer conversations to push the first out of every cache
+            await _call(store, [SYSTEM, {"role": "user", "content": f"conversation {i}"}], f"answer {i}")
+        assert len(store._stitcher._heads) == 100
+        later = [*first, {"role": "assistant", "content": "answer 0"}, {"role": "user", "content": "and then?"}]
+        assert await _call(store, later, "then this") == tid
+    finally:
+        await store.close()
