@@ -89,7 +89,8 @@ def _operation_ids() -> list[str]:
     """The operations the document publishes, read from an app built in-process (collection needs no server)."""
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "harness.toml"
-        config.write_text(f'[store]\npath = "{Path(tmp) / "h.db"}"\n')
+        # a remote backend: building the app must not load torch (the core environment has none)
+        config.write_text(upstream_config("http://127.0.0.1:9").replace('"harness.db"', f'"{Path(tmp) / "h.db"}"'))
         document = openapi.document(build_app(load_settings(config, environ={})).routes)
     return sorted(op["operationId"] for path in document["paths"].values() for op in path.values())
 

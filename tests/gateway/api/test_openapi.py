@@ -16,6 +16,7 @@ from gateway.errors import APIError
 from gateway.protocol.agent_runs import validate_agent_run
 from gateway.protocol.chat import validate_chat_request
 from gateway.protocol.responses.validation import validate_responses_request
+from tests.processes import upstream_config
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -26,7 +27,8 @@ from schemathesis import GenerationMode  # noqa: E402
 def app(tmp_path_factory: pytest.TempPathFactory) -> Any:
     tmp = tmp_path_factory.mktemp("openapi")
     config = Path(tmp) / "harness.toml"
-    config.write_text(f'[store]\npath = "{tmp / "h.db"}"\n')
+    # a remote backend: building the app must not load torch (the core environment has none)
+    config.write_text(upstream_config("http://127.0.0.1:9").replace('"harness.db"', f'"{tmp / "h.db"}"'))
     return build_app(load_settings(config, environ={}))
 
 
