@@ -17,6 +17,15 @@ _SUMMARY_FIELDS = ("id", "source", "status", "created_at", "updated_at", "tenant
                    "latency_ms", "final_reward")
 
 
+# Every read is one call on the connection's thread (execute_fetchall), never an execute and a fetch queued
+# apart: a request's statement must not join another's unfinished read, whose WAL snapshot predates commits
+# since (a run just created would read as missing).
+
+
+def _first(rows: Iterable[aiosqlite.Row]) -> aiosqlite.Row | None:
+    return next(iter(rows), None)
+
+
 def _summary(row: aiosqlite.Row) -> dict[str, Any]:
     fields = {name: row[name] for name in _SUMMARY_FIELDS}
     fields["metadata"] = orjson.loads(row["metadata"]) if row["metadata"] else None
@@ -34,15 +43,14 @@ async def listing(db: aiosqlite.Connection, *, tenant: str | None, all_tenants: 
         where.append("id < ?")
         args.append(before)
     sql = "SELECT * FROM trajectories" + (" WHERE " + " AND ".join(where) if where else "")
-    async with db.execute(sql + " ORDER BY id DESC LIMIT ?", (*args, limit)) as cur:
-        return [Trajectory(**_summary(r)) for r in await cur.fetchall()]
+    return [Trajectory(**_summary(r)) for r in await db.execute_fetchall(sql + " ORDER BY id DESC LIMIT ?",
+                                                                         (*args, limit))]
 
 
 async def trajectory(db: aiosqlite.Connection, trajectory_id: str, *, tenant: str | None,
                      all_tenants: bool) -> Trajectory | None:
     """A trajectory whole: its calls (message bodies resolved), tool calls, events, feedback and run."""
-    async with db.execute("SELECT * FROM trajectories WHERE id = ?", (trajectory_id,)) as cur:
-        row = await cur.fetchone()
+    row = _first(await db.execute_fetchall("SELECT * FROM trajectories WHERE id = ?", (trajectory_id,)))
     if row is None or (not all_tenants and row["tenant"] != tenant):
         return None
     calls = await _calls(db, trajectory_id)
@@ -71,9 +79,8 @@ def stored_call(row: Sequence[Any]) -> StoredCall:
 
 
 async def _calls(db: aiosqlite.Connection, trajectory_id: str) -> list[ModelCall]:
-    async with db.execute(f"SELECT {CALL_COLUMNS} FROM model_calls WHERE trajectory_id = ? ORDER BY seq, created_at",
-                          (trajectory_id,)) as cur:
-        stored = [stored_call(r) for r in await cur.fetchall()]
+    stored = [stored_call(r) for r in await db.execute_fetchall(
+        f"SELECT {CALL_COLUMNS} FROM model_calls WHERE trajectory_id = ? ORDER BY seq, created_at", (trajectory_id,))]
     bodies = await blobs(db, {k for c in stored for k in c.body_keys})
     return [c.resolve(bodies) for c in stored]
 
@@ -84,9 +91,8 @@ async def blobs(db: aiosqlite.Connection, keys: Iterable[str]) -> dict[str, Any]
     for i in range(0, len(keys), 500):
         chunk = keys[i:i + 500]
         marks = ",".join("?" * len(chunk))
-        async with db.execute(f"SELECT hash, body FROM blobs WHERE hash IN ({marks})", chunk) as cur:
-            for h, body in await cur.fetchall():
-                out[h] = orjson.loads(body)
+        for h, body in await db.execute_fetchall(f"SELECT hash, body FROM blobs WHERE hash IN ({marks})", chunk):
+            out[h] = orjson.loads(body)
     return out
 
 
@@ -97,9 +103,8 @@ async def _tool_calls(db: aiosqlite.Connection, trajectory_id: str, calls: list[
         for m in c.messages:
             if isinstance(m, dict) and m.get("role") == "tool" and m.get("tool_call_id"):
                 client_results.setdefault(m["tool_call_id"], content_text(m.get("content")) or "")
-    async with db.execute("SELECT * FROM tool_calls WHERE trajectory_id = ? ORDER BY step, created_at, rowid",
-                          (trajectory_id,)) as cur:
-        rows = await cur.fetchall()
+    rows = await db.execute_fetchall("SELECT * FROM tool_calls WHERE trajectory_id = ? ORDER BY step, created_at, "
+                                     "rowid", (trajectory_id,))
     return [ToolCall(
         step=r["step"], call_id=r["call_id"], name=r["name"], arguments=r["raw_arguments"] or "",
         valid=bool(r["valid"]), status=r["status"],
@@ -110,23 +115,20 @@ async def _tool_calls(db: aiosqlite.Connection, trajectory_id: str, calls: list[
 
 
 async def _events(db: aiosqlite.Connection, trajectory_id: str) -> list[Event]:
-    async with db.execute("SELECT step, state, data, created_at FROM events WHERE trajectory_id = ? ORDER BY id",
-                          (trajectory_id,)) as cur:
-        return [Event(step=r[0], state=r[1], data=orjson.loads(r[2]) if r[2] else None, created_at=r[3])
-                for r in await cur.fetchall()]
+    return [Event(step=r[0], state=r[1], data=orjson.loads(r[2]) if r[2] else None, created_at=r[3])
+            for r in await db.execute_fetchall("SELECT step, state, data, created_at FROM events "
+                                               "WHERE trajectory_id = ? ORDER BY id", (trajectory_id,))]
 
 
 async def _feedback(db: aiosqlite.Connection, trajectory_id: str) -> list[Feedback]:
-    async with db.execute("SELECT * FROM feedback WHERE trajectory_id = ? ORDER BY created_at, id",
-                          (trajectory_id,)) as cur:
-        return [Feedback(source=r["source"], name=r["name"], value=r["value"], label=r["label"], comment=r["comment"],
-                         model_call_seq=r["model_call_seq"], created_at=r["created_at"])
-                for r in await cur.fetchall()]
+    return [Feedback(source=r["source"], name=r["name"], value=r["value"], label=r["label"], comment=r["comment"],
+                     model_call_seq=r["model_call_seq"], created_at=r["created_at"])
+            for r in await db.execute_fetchall("SELECT * FROM feedback WHERE trajectory_id = ? "
+                                               "ORDER BY created_at, id", (trajectory_id,))]
 
 
 async def _run(db: aiosqlite.Connection, trajectory_id: str) -> AgentRun | None:
-    async with db.execute("SELECT * FROM agent_runs WHERE id = ?", (trajectory_id,)) as cur:
-        r = await cur.fetchone()
+    r = _first(await db.execute_fetchall("SELECT * FROM agent_runs WHERE id = ?", (trajectory_id,)))
     if r is None:
         return None
     return AgentRun(profile=r["profile"], status=r["status"], termination_reason=r["termination_reason"],

@@ -167,8 +167,8 @@ class TrajectoryStore:
 
     async def _select(self, sql: str, args: tuple[Any, ...] | list[Any] = ()) -> list[dict[str, Any]]:
         assert self._reader is not None
-        async with self._reader.execute(sql, args) as cur:
-            return [dict(row) for row in await cur.fetchall()]
+        # one call on the connection's thread: see replay/queries.py on why a read must not be split
+        return [dict(row) for row in await self._reader.execute_fetchall(sql, args)]
 
     async def _change(self, statements: list[Statement]) -> list[int]:
         """Statements committed together now, outside the writer's batches; the rows each changed. Shielded: a

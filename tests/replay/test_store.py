@@ -261,3 +261,28 @@ async def test_bounded_caches_still_stitch_what_they_evicted(tmp_path: Path) -> 
         assert await _call(store, later, "then this") == tid
     finally:
         await store.close()
+
+
+async def test_what_was_committed_is_read_back_at_once_under_concurrent_reads(tmp_path: Path) -> None:
+    """Reads share one connection: a statement queued between another read's execute and its fetch joined that
+    read's WAL snapshot, older than the caller's own commit (here 97 of 200 read back as missing before the fix;
+    the soak saw agent runs 404 right after their 201)."""
+    store = await _open(tmp_path / "s.db")
+    try:
+        await _call(store, [SYSTEM, {"role": "user", "content": "first"}], "so that listings have rows")
+        done = asyncio.Event()
+
+        async def keep_listing() -> None:
+            while not done.is_set():
+                await store.list_trajectories(limit=5)
+
+        readers = [asyncio.create_task(keep_listing()) for _ in range(4)]
+        missing = 0
+        for i in range(200):
+            tid = await _call(store, [SYSTEM, {"role": "user", "content": f"question {i}"}], f"answer {i}")
+            missing += await store.get_trajectory(tid) is None
+        done.set()
+        await asyncio.gather(*readers)
+        assert missing == 0, f"{missing} of 200 writes were not read back"
+    finally:
+        await store.close()
