@@ -25,7 +25,7 @@ class StoreSettings(_Section):
     max_batch: int = Field(256, gt=0, description="Most records committed in one transaction.")
     max_queue: int = Field(100_000, gt=0, description="Pending records before requests wait (backpressure).")
     commit_delay_ms: float = Field(0.0, ge=0, description="Injected delay before each commit (tests only).")
-    cache_entries: int = Field(20_000, ge=100, description="Entries of each in-memory stitching cache (twice as "
+    cache_entries: int = Field(5_000, ge=100, description="Entries of each in-memory stitching cache (twice as "
                                "many for stored bodies): what bounds the store's memory; misses read the database.")
     redact_defaults: bool = Field(True, description="Exports remove API keys, bearer tokens and e-mail addresses.")
     redact_patterns: list[str] = Field(default_factory=list,

@@ -28,7 +28,7 @@ class LRU(OrderedDict):
 
 
 class Stitcher:
-    def __init__(self, capacity: int = 20_000) -> None:
+    def __init__(self, capacity: int = 5_000) -> None:
         self.lookup: sqlite3.Connection | None = None  # used only on the event loop; set when the store starts
         self._heads = LRU(capacity)
         self._state = LRU(capacity)

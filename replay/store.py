@@ -31,7 +31,7 @@ from replay.writer import Writer
 class TrajectoryStore:
     def __init__(self, path: str, *, synchronous: str = "NORMAL", max_batch: int = 256,
                  max_queue: int = 100_000, commit_delay_ms: float = 0.0,
-                 on_commit: Any = None, cache_entries: int = 20_000) -> None:
+                 on_commit: Any = None, cache_entries: int = 5_000) -> None:
         self.path = path
         self.synchronous = synchronous
         # One transaction at a time on the store: batches, deletes and key changes.

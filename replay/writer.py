@@ -69,7 +69,7 @@ _INSERT_TOOL_CALL = """
 class Writer:
     def __init__(self, *, lock: asyncio.Lock, advance: Callable[[CallRecord, str | None], None],
                  max_batch: int = 256, max_queue: int = 100_000, commit_delay: float = 0.0,
-                 on_commit: Callable[[int, float], None] | None = None, known_blobs: int = 40_000) -> None:
+                 on_commit: Callable[[int, float], None] | None = None, known_blobs: int = 10_000) -> None:
         self.max_batch = max_batch
         self.commit_delay = commit_delay
         self.known_blobs = LRU(known_blobs)  # bodies already stored: a miss costs one INSERT OR IGNORE
