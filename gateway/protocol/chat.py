@@ -159,7 +159,7 @@ class _Message(Strict):
         return self
 
 
-def _answered_calls(messages: list[_Message]) -> None:
+def _paired(messages: list[_Message]) -> list[_Message]:
     """Each assistant message with tool calls followed at once by a tool message for each call, and no tool
     message that answers none: a history that pairs is the only kind a trajectory can be trained on."""
     pending: dict[str, int] = {}  # call id -> the index of the assistant message that made it
@@ -174,14 +174,10 @@ def _answered_calls(messages: list[_Message]) -> None:
             break
         pending = {call.id: i for call in message.tool_calls or ()} if message.role == "assistant" else {}
     if pending:
-        first = min(pending.values())
+        made_at = next(iter(pending.values()))
         raise Fault("An assistant message with 'tool_calls' must be followed by tool messages responding to each "
                     "'tool_call_id'. The following tool_call_ids did not have response messages: "
-                    f"{', '.join(pending)}.", (first, "role"))
-
-
-def _paired(messages: list[_Message]) -> list[_Message]:
-    _answered_calls(messages)
+                    f"{', '.join(pending)}.", (made_at, "role"))
     return messages
 
 
