@@ -5,9 +5,10 @@ transformers' ``DynamicCache`` appends a decoding step's position with ``torch.c
 every layer at every step; the buffers that copying leaves behind, each a little smaller than the next one needed,
 fragmented the heap until the process held several times the cache's size. A ``BatchCache`` layer keeps its keys
 and values in a buffer with room for ``BLOCK`` more positions and hands the model views of the filled part; it is
-reallocated once every ``BLOCK`` positions, or when rows join or leave the batch (``join``, ``select``), one layer
-at a time, so the old and the new buffers of only one layer ever exist together. Buffers are memory maps of their
-own (``zeros``), so a buffer let go goes back to the system at once rather than staying in the allocator's heap.
+reallocated once every ``BLOCK`` positions, or when rows join the batch (``join``), one layer at a time, so the old
+and the new buffers of only one layer ever exist together; rows that leave (``select``) are compacted in place.
+Buffers are memory maps of their own (``zeros``), so a buffer let go goes back to the system at once rather than
+staying in the allocator's heap.
 
 The model's own SDPA attention copies every layer's keys and values three times over before each pass when a
 padding mask is given (grouped-query attention: the model has three key/value heads for nine query heads); the
@@ -128,13 +129,21 @@ class BatchCache(DynamicCache):
             theirs.release()
 
     def select(self, rows: torch.Tensor, start: int) -> None:
-        """Keep only the rows ``rows``, from position ``start`` on (the padding before it no kept row needs)."""
+        """Keep only the rows ``rows``, from position ``start`` on (the padding before it no kept row needs).
+
+        In place: the kept rows move to the front of the buffers they are in. Fresh buffers cost a page fault for
+        every page written, which made a select about three times as slow as the copy itself (92 against 33 ms
+        for eight rows of 600 positions), and a batch selects every time a row finishes. The rows left behind
+        stay allocated until the buffer is next reallocated, within ``BLOCK`` positions."""
         for i, layer in enumerate(self.layers):
+            assert layer._buffers is not None
             length = layer.length - start
-            buffers = _buffers(layer.keys, len(rows), length)
-            buffers[0][:, :, :length] = layer.keys[rows, :, start:]
-            buffers[1][:, :, :length] = layer.values[rows, :, start:]
-            self.layers[i] = _Layer(buffers, length)
+            kept = []
+            for buffer, held in zip(layer._buffers, (layer.keys, layer.values), strict=True):
+                # The right side is gathered into a new tensor before anything is written: overlap is harmless.
+                buffer[:len(rows), :, :length] = held[rows, :, start:]
+                kept.append(buffer[:len(rows)])
+            self.layers[i] = _Layer((kept[0], kept[1]), length)
 
 
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -60,12 +60,26 @@ def test_rows_join_right_aligned_and_leave_with_their_padding_cut() -> None:
     assert [layer.length for layer in long.layers] == [50, 50] and short.layers[0].keys is None  # let go
     expected = torch.cat([long_keys, F.pad(short_keys, (0, 0, 30, 0))])
     assert torch.equal(long.layers[0].keys, expected)
+    storage = long.layers[0].keys.untyped_storage().data_ptr()
     long.select(torch.tensor([2, 1]), start=30)  # the short row first, then the second long one, from position 30
     assert long.layers[0].length == 20
+    assert long.layers[0].keys.untyped_storage().data_ptr() == storage  # compacted in place, no new buffer
     assert torch.equal(long.layers[0].keys, torch.stack([short_keys[0], long_keys[1, :, 30:]]))
     assert torch.equal(long.layers[1].values[1], long_values[1, :, 30:] + 1)
     long.update(*_positions(1, 9), 0)  # and it goes on growing
     assert long.layers[0].length == 21
+
+
+def test_rows_left_behind_by_a_select_are_let_go_when_the_buffer_next_grows() -> None:
+    cache, (keys, _) = _filled([BLOCK - 2], rows=4)
+    cache.select(torch.tensor([3, 0]), start=0)
+    layer = cache.layers[0]
+    assert layer.keys.untyped_storage().nbytes() == 4 * 3 * BLOCK * 4 * 4  # still the four rows' buffer
+    more = _positions(4, 7)
+    cache.update(*more, 0)  # past the buffer's room: reallocated for the two rows kept
+    layer = cache.layers[0]
+    assert layer.keys.untyped_storage().nbytes() == 2 * 3 * 2 * BLOCK * 4 * 4
+    assert torch.equal(layer.keys, torch.cat([keys[[3, 0]], more[0]], dim=2))
 
 
 def test_large_buffers_are_zeros_of_their_own_and_small_ones_plain() -> None:
