@@ -32,7 +32,7 @@ import torch
 
 from gateway.backends.base import ChatRequest
 from gateway.backends.local import LocalBackend
-from gateway.backends.local.grammar import Masks, answer_schema, matcher, output_grammar
+from gateway.backends.local.grammar import Constraint, Masks, answer_schema, matcher, output_grammar
 from gateway.config import BackendSettings
 
 DEFAULT_PREFIX_CACHE_MB = BackendSettings.model_fields["prefix_cache_mb"].default
@@ -87,10 +87,11 @@ def _mask_ms(backend: LocalBackend, rows: int, steps: int = 200) -> float:
             m.consume_token(token)
     masks = Masks(backend.loaded.model.config.vocab_size)
     logits = torch.zeros(rows, masks.vocab_size)
+    constraints = [(i, Constraint(m, engine.grammar_tokenizer.eos_token)) for i, m in enumerate(matchers)]
     times = []
     for _ in range(steps):
         started = time.perf_counter()
-        masks.apply(logits, list(enumerate(matchers)))
+        masks.apply(logits, constraints)
         times.append(time.perf_counter() - started)
     return statistics.median(times) * 1000
 

@@ -11,11 +11,13 @@ Targets (each a fresh ``harness serve`` process on its own SQLite file):
 
 The traffic, from ``--clients`` threads, each request drawn by weight: plain and streamed chat completions, a
 stream the client drops after its first chunk, Responses API requests, agent runs (``POST /v1/agent/runs``, then
-polled to the end), signed webhook messages to the bot, and bad input that must get a 400 (the held-out list of
-what OpenAI refuses). Every 10 s the gateway process's RSS and open file descriptors are sampled. Afterwards:
-errors by type (any status other than the one expected, and every exception), the store's ``integrity_check``,
-and two verdicts: RSS grows by at most 10% from minute 2 to the end, and the descriptors return to their
-baseline (sampled before the traffic) once it stops. Prints a table, writes ``bench/results/soak.json`` and a
+polled to the end), signed webhook messages to the bot, bad input that must get a 400 (the held-out list of
+what OpenAI refuses), and attacks (``ATTACKS``: what docs/security.md defends against, each with the answer it must
+get). Every 10 s the gateway process's RSS and open file descriptors are sampled. Afterwards: errors by type (any
+status other than the one expected, and every exception), the store's ``integrity_check``, every acknowledged
+exchange looked up in the store, and three verdicts: RSS grows by at most 10% from minute 2 to the end, the
+descriptors return to their baseline (sampled before the traffic) once it stops, and no acknowledged exchange is
+missing. Prints a table, writes ``bench/results/soak.json`` and a
 PNG of both series. Never run in CI: it takes as long as it is told to.
 """
 
@@ -26,6 +28,7 @@ import asyncio
 import json
 import os
 import random
+import sqlite3
 import sys
 import tempfile
 import threading
@@ -80,7 +83,37 @@ BAD = [  # what OpenAI answers with a 400
     {"messages": "hi"},
     {"messages": [USER], "temperature": "hot"},
 ]
-WEIGHTS = {"plain": 25, "stream": 20, "disconnect": 10, "responses": 10, "agent": 10, "webhook": 10, "bad": 15}
+WEIGHTS = {"plain": 25, "stream": 20, "disconnect": 10, "responses": 10, "agent": 10, "webhook": 10, "bad": 15,
+           "attack": 10}
+_DEEP_SCHEMA = '{"type": "object", "properties": {"a": ' * 200 + '{"type": "string"}' + "}}" * 200
+
+
+def _attacks(model: str, target: str) -> list[tuple[str, dict[str, Any], set[str]]]:
+    """(name, request, the outcomes it may get) for each attack of docs/security.md that one request makes."""
+    deep_call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * 100 + "]" * 100}}
+    attacks = [
+        ("nested schema", {"content": (f'{{"model": "{model}", "messages": [{{"role": "user", "content": "x"}}], '
+                                       '"response_format": {"type": "json_schema", "json_schema": {"name": "d", '
+                                       f'"schema": {_DEEP_SCHEMA}}}}}}}').encode()}, {"400"}),
+        ("nested arguments", {"json": {"model": model, "messages": [USER, {**CALL, "tool_calls": [deep_call]},
+                                                                     {"role": "tool", "tool_call_id": "c1",
+                                                                      "content": "1"}]}}, {"400"}),
+        ("large head", {"json": {"model": model, "messages": [USER]}, "headers": {"x-pad": "a" * 100_000}}, {"431"}),
+        # the client gives up at once: the gateway must stop the work and record the exchange
+        ("plain disconnect", {"json": {"model": model, "messages": [{"role": "user", "content": "slow:1"}],
+                                       "max_tokens": 64, "ignore_eos": True}, "timeout": 0.3}, {"ReadTimeout"}),
+    ]
+    if target == "standin":
+        attacks.append(("deep upstream answer", {"json": {"model": model, "messages": [
+            {"role": "user", "content": "deep:300"}]}}, {"502"}))
+    else:
+        attacks.append(("max_tokens past the context", {"json": {"model": model, "messages": [USER],
+                                                                 "max_tokens": 10**9}}, {"400"}))
+        attacks.append(("costly schema", {"json": {"model": model, "messages": [USER], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "string",
+                                                                          "pattern": "^" + "ab" * 5000 + "$"}}}}},
+                        {"400"}))
+    return attacks
 
 
 @dataclass
@@ -97,6 +130,7 @@ class Run:
     outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)
     errors: Counter[tuple[str, str]] = field(default_factory=Counter)
     samples: list[tuple[float, int, int]] = field(default_factory=list)  # (seconds, RSS bytes, descriptors)
+    acked: list[str] = field(default_factory=list)  # trajectories of acknowledged exchanges
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def count(self, kind: str, outcome: str, expected: bool) -> None:
@@ -112,22 +146,40 @@ def _rss_and_fds(pid: int) -> tuple[int, int]:
     return rss_kb * 1024, len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def _one(client: httpx.Client, url: str, model: str, kind: str, rng: random.Random) -> tuple[str, bool]:
-    """One request of ``kind``: its outcome (a status, or what went wrong) and whether it was the expected one."""
+def _one(client: httpx.Client, url: str, model: str, kind: str, rng: random.Random, *, target: str = "standin",
+         acked: list[str] | None = None) -> tuple[str, bool]:
+    """One request of ``kind``: its outcome (a status, or what went wrong) and whether it was the expected one.
+    The trajectory of each exchange the gateway acknowledged (a 200, a stream to its end) goes to ``acked``."""
     text = f"soak {rng.randrange(10**6)}: what is 6 times 7?"
     chat = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 8}
+    acked = [] if acked is None else acked
     if kind == "plain":
         r = client.post(url + "/v1/chat/completions", json=chat)
+        if r.status_code == 200:
+            acked.append(r.headers["x-harness-trajectory-id"])
         return str(r.status_code), r.status_code == 200 and bool(r.json()["choices"])
     if kind in ("stream", "disconnect"):
         with client.stream("POST", url + "/v1/chat/completions", json={**chat, "stream": True}) as r:
-            for i, _ in enumerate(r.iter_bytes()):
+            body = b""
+            for i, part in enumerate(r.iter_bytes()):
+                body += part
                 if kind == "disconnect" and i == 0:
                     break  # the client goes away mid-stream; the gateway must still record and let go
+        if kind == "stream" and body.rstrip().endswith(b"[DONE]"):
+            acked.append(r.headers["x-harness-trajectory-id"])
         return str(r.status_code), r.status_code == 200
     if kind == "responses":
         r = client.post(url + "/v1/responses", json={"model": model, "input": text, "max_output_tokens": 8})
+        if r.status_code == 200:
+            acked.append(r.headers["x-harness-trajectory-id"])
         return str(r.status_code), r.status_code == 200 and r.json()["status"] in ("completed", "incomplete")
+    if kind == "attack":
+        name, request, allowed = rng.choice(_attacks(model, target))
+        try:
+            r = client.post(url + "/v1/chat/completions", **request)
+        except httpx.ReadTimeout:
+            return f"{name}: ReadTimeout", "ReadTimeout" in allowed
+        return f"{name}: {r.status_code}", str(r.status_code) in allowed
     if kind == "agent":
         r = client.post(url + "/v1/agent/runs", json={"profile": "echo", "input": text})
         if r.status_code != 201:
@@ -156,14 +208,14 @@ def _one(client: httpx.Client, url: str, model: str, kind: str, rng: random.Rand
                                                                                    "code"}
 
 
-def _client_loop(url: str, model: str, run: Run, stop: threading.Event, seed: int) -> None:
+def _client_loop(url: str, model: str, target: str, run: Run, stop: threading.Event, seed: int) -> None:
     rng = random.Random(seed)
     kinds, weights = list(WEIGHTS), list(WEIGHTS.values())
     with httpx.Client(timeout=120) as client:
         while not stop.is_set():
             kind = rng.choices(kinds, weights)[0]
             try:
-                outcome, expected = _one(client, url, model, kind, rng)
+                outcome, expected = _one(client, url, model, kind, rng, target=target, acked=run.acked)
             except (httpx.HTTPError, ValueError, KeyError) as exc:
                 outcome, expected = type(exc).__name__, False
             run.count(kind, outcome, expected)
@@ -184,8 +236,8 @@ def soak(target: Target, minutes: float, clients: int, workdir: Path) -> dict[st
         _, baseline_fds = _rss_and_fds(pid)
         run = Run()
         stop = threading.Event()
-        threads = [threading.Thread(target=_client_loop, args=(proc.url, target.model, run, stop, i), daemon=True)
-                   for i in range(clients)]
+        threads = [threading.Thread(target=_client_loop, args=(proc.url, target.model, target.name, run, stop, i),
+                                    daemon=True) for i in range(clients)]
         for t in threads:
             t.start()
         end = run.started + minutes * 60
@@ -205,6 +257,7 @@ def soak(target: Target, minutes: float, clients: int, workdir: Path) -> dict[st
     finally:
         proc.stop()
     integrity = asyncio.run(_integrity(proc.db))
+    lost = _missing(proc.db, run.acked)
     at_two = next((rss for s, rss, _ in run.samples if s >= 120), run.samples[0][1])
     growth = run.samples[-1][1] / at_two - 1
     return {"target": target.name, "minutes": minutes, "clients": clients,
@@ -214,7 +267,14 @@ def soak(target: Target, minutes: float, clients: int, workdir: Path) -> dict[st
             "samples": run.samples, "rss_minute_2": at_two, "rss_end": run.samples[-1][1],
             "rss_growth": growth, "rss_flat": growth <= 0.10,
             "fds_baseline": baseline_fds, "fds_after": fds_after, "fds_back": fds_after <= baseline_fds,
-            "integrity": integrity}
+            "integrity": integrity, "acknowledged": len(run.acked), "lost": lost}
+
+
+def _missing(db: Path, trajectories: list[str]) -> int:
+    """How many acknowledged exchanges' trajectories have no model call in the store."""
+    with sqlite3.connect(db) as conn:
+        stored = {row[0] for row in conn.execute("SELECT DISTINCT trajectory_id FROM model_calls")}
+    return len(set(trajectories) - stored)
 
 
 async def _integrity(db: Path) -> list[str]:
@@ -276,13 +336,14 @@ def main() -> None:
                 results.append(soak(targets[name], args.minutes, clients, workdir))
     table = Table(title=f"Soak: {args.minutes:g} minutes of mixed traffic")
     for column in ("target", "requests", "unexpected", "RSS min 2 → end", "growth", "fds base → after",
-                   "integrity", "verdict"):
+                   "integrity", "acknowledged, lost", "verdict"):
         table.add_column(column)
     for r in results:
-        flat = r["rss_flat"] and r["fds_back"] and r["integrity"] == ["ok"] and not r["errors"]
+        flat = r["rss_flat"] and r["fds_back"] and r["integrity"] == ["ok"] and not r["errors"] and not r["lost"]
         table.add_row(r["target"], str(r["requests"]), str(sum(r["errors"].values())),
                       f"{r['rss_minute_2'] / 2**20:.0f} → {r['rss_end'] / 2**20:.0f} MiB", f"{r['rss_growth']:+.1%}",
                       f"{r['fds_baseline']} → {r['fds_after']}", ",".join(r["integrity"])[:40],
+                      f"{r['acknowledged']}, {r['lost']}",
                       "[green]flat[/green]" if flat else "[red]NOT flat[/red]")
     console.print(table)
     for r in results:

@@ -10,7 +10,7 @@ from typing import Any
 
 import structlog
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -29,6 +29,7 @@ from gateway.config import Settings
 from gateway.errors import APIError, error_response
 from gateway.metrics import Metrics
 from gateway.routing import Caller, Router
+from gateway.streaming import ClientDisconnected
 from replay.adapters import AdapterRegistry
 from replay.store import TrajectoryStore
 from tools.context import ToolContext
@@ -205,6 +206,11 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     return error_response(exc)
 
 
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    # Nobody reads it: the status is for the access log (499, "client closed request", as nginx logs it).
+    return Response(status_code=499)
+
+
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled", path=request.url.path)
     request.app.state.gateway.metrics.errors.labels("server_error").inc()
@@ -253,6 +259,7 @@ def build_app(settings: Settings) -> Starlette:
         routes=routes,
         lifespan=lifespan,
         exception_handlers={404: _not_found, 405: _method_not_allowed, APIError: _api_error,
+                            ClientDisconnected: _client_gone, ClientDisconnect: _client_gone,
                             Exception: _internal_error},
     )
     app.state.gateway = gateway

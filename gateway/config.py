@@ -30,9 +30,15 @@ class ServerSettings(Section):
     max_headers: int = Field(100, gt=0, description="Most headers in one request; more get 431.")
     head_timeout: float = Field(10.0, gt=0, description="Seconds a connection may take to send a complete request "
                                 "head (from connecting, or from the head's first byte on a kept-alive connection).")
+    body_timeout: float = Field(60.0, gt=0, description="Seconds a request body may take to arrive in full once its "
+                                "head is in; a slower one gets 408 and its connection is closed.")
     keep_alive_seconds: float = Field(5.0, gt=0, description="Seconds an idle kept-alive connection stays open.")
     max_connections: int = Field(2048, gt=0, description="Connections and requests in flight before new requests "
                                  "get 503.")
+    max_connections_per_client: int | None = Field(
+        None, gt=0, description="Connections one client address may hold open; more are answered 503 and closed "
+        "at once, without taking one of max_connections. Default: half of max_connections. Behind a reverse proxy "
+        "(every connection from one address) set it to max_connections.")
     admin_key_env: str = Field("HARNESS_ADMIN_KEY", description="Variable holding the admin key.")
     auth_cache_seconds: float = Field(5.0, ge=0, description="How long a key lookup is trusted: a key revoked "
                                       "from the CLI keeps working for at most this long.")

@@ -15,6 +15,7 @@ _COMMIT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 class Metrics:
     def __init__(self, queue_depth: Callable[[], float]) -> None:
         self.registry = CollectorRegistry()
+        self._private = CollectorRegistry()  # figures for the operator alone (see watch_prefix_caches)
         r = self.registry
         self.requests = Counter("harness_requests", "HTTP requests handled.", ["route", "status"], registry=r)
         self.latency = Histogram("harness_request_latency_seconds", "Time from request to last byte.",
@@ -33,15 +34,18 @@ class Metrics:
                                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
 
     def watch_prefix_caches(self, backends: Iterable[Any]) -> None:
-        """Export the embedded backends' prefix-cache counters (``prefix_stats``), read when scraped."""
-        self.registry.register(_PrefixCaches(list(backends)))
+        """Export the embedded backends' prefix-cache counters (``prefix_stats``), read when scraped, to readers
+        who may see every tenant's (``render(private=True)``): they move with each request's cache hits, which
+        would tell one tenant how much of another's prompt was cached."""
+        self._private.register(_PrefixCaches(list(backends)))
 
     def observe_commit(self, batch: int, seconds: float) -> None:
         self.commit_latency.observe(seconds)
         self.commit_batch.observe(batch)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, *, private: bool = False) -> bytes:
+        public = generate_latest(self.registry)
+        return public + generate_latest(self._private) if private else public
 
 
 class _PrefixCaches:

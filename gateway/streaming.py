@@ -1,15 +1,48 @@
-"""An ASGI response for server-sent events that notices a client going away.
+"""Noticing a client going away: for a stream while it is sent, and for a plain answer while it is computed.
 
-While the body is produced, a watcher waits for ``http.disconnect``; when it comes, the producer is
-cancelled so the upstream request stops at once instead of running to completion for nobody.
+While the work runs, a watcher waits for ``http.disconnect``; when it comes, the work is cancelled so the
+upstream request (or the embedded engine's job) stops at once instead of running to completion for nobody.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 from starlette.types import Receive, Scope, Send
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The client closed its connection before its answer was ready; the work was cancelled."""
+
+
+async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
+    """``work``'s result, computed in this task; if the client disconnects first, the work is cancelled and
+    ``ClientDisconnected`` raised. Call it once the request body has been read: ``receive`` then only ever
+    answers ``http.disconnect``."""
+    task = asyncio.current_task()
+    assert task is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        task.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if gone and task.uncancel() == 0:
+            raise ClientDisconnected() from None
+        raise
+    finally:
+        watcher.cancel()
 
 
 class EventStreamResponse:

@@ -68,10 +68,15 @@ def serve(config: str | None = ConfigOption,
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     server = settings.server
+    # Half by default: one address (a runaway client, or one holding slow connections) leaves the other half
+    # to everyone else, health checks included, while a single local user still has 1,024 connections.
+    per_client = server.max_connections_per_client or max(1, server.max_connections // 2)
     protocol = bounded_protocol(max_head_bytes=server.max_head_bytes, max_headers=server.max_headers,
-                                head_timeout=server.head_timeout)
+                                head_timeout=server.head_timeout, body_timeout=server.body_timeout,
+                                max_connections_per_client=per_client)
+    # ws="none": no route speaks WebSocket, so an upgrade request is just a request.
     uvicorn.run(application, host=server.host, port=server.port, log_level="warning", access_log=False,
-                loop="uvloop", http=protocol, timeout_graceful_shutdown=10,
+                loop="uvloop", http=protocol, ws="none", timeout_graceful_shutdown=10,
                 timeout_keep_alive=server.keep_alive_seconds, limit_concurrency=server.max_connections)
 
 

@@ -31,6 +31,7 @@ from replay.importer import ImportFileError, import_conversations, read_file
 from replay.readonly import StoreError, open_readonly, schema_version
 from replay.redact import Redactor
 from replay.schema import SCHEMA_VERSION
+from replay.writer import RecordRejected
 
 app = typer.Typer(help="Select, inspect, import and export trajectories.", no_args_is_help=True)
 console = Console()
@@ -265,7 +266,8 @@ def import_(file_name: str = typer.Argument(..., metavar="FILE",
     try:
         result = with_store(settings, lambda s: import_conversations(
             s, conversations, source=source, task=task, group=group, tenant=tenant, model=model))
-    except (sqlite3.DatabaseError, OSError) as exc:  # a damaged file, an unwritable directory, a full disk
+    # a damaged file, an unwritable directory, a full disk, or a conversation the store cannot take
+    except (sqlite3.DatabaseError, OSError, RecordRejected) as exc:
         fail(f"cannot import into {target}: {exc}; nothing imported")
     err_console.print(f"imported {result.trajectories:,} trajectories ({result.model_calls:,} model calls) "
                       f"from {file} as source {source!r}", highlight=False, soft_wrap=True)

@@ -29,6 +29,11 @@ class StoreClosed(RuntimeError):
     pass
 
 
+class RecordRejected(ValueError):
+    """One write the store could not take (its rows could not be built or committed); the batch it came in with
+    was committed without it."""
+
+
 @dataclass
 class _Rows:
     blobs: list[tuple[str, bytes]]
@@ -36,6 +41,14 @@ class _Rows:
     calls: list[tuple[Any, ...]]
     tool_calls: list[tuple[Any, ...]]
     statements: list[Statement]
+
+    @staticmethod
+    def merged(parts: list[_Rows]) -> _Rows:
+        if len(parts) == 1:
+            return parts[0]
+        blobs = dict(blob for part in parts for blob in part.blobs)  # two writes may carry one body
+        return _Rows(list(blobs.items()), *([row for part in parts for row in getattr(part, name)]
+                                            for name in ("trajectories", "calls", "tool_calls", "statements")))
 
 
 _UPSERT_TRAJECTORY = """
@@ -64,6 +77,21 @@ _INSERT_TOOL_CALL = """
     INSERT INTO tool_calls(id, trajectory_id, step, call_id, name, raw_arguments, parsed, repaired, valid,
         validation_error, status, result, duration_ms, created_at)
     VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"""
+
+
+# SQLite's primary result codes that speak of the database, not of a row: busy, locked, out of memory, read-only,
+# I/O error, corrupt, full, cannot open, not a database. Every write fails with these; none is to blame.
+_STORE_FAILURES = frozenset({5, 6, 7, 8, 10, 11, 13, 14, 26})
+
+
+def _whole_store(exc: Exception) -> bool:
+    return isinstance(exc, sqlite3.Error) and (getattr(exc, "sqlite_errorcode", 0) & 0xFF) in _STORE_FAILURES
+
+
+def _reject(fut: asyncio.Future[None], exc: Exception, stage: str) -> None:
+    log.error("store.record_rejected", error=str(exc), stage=stage)
+    if not fut.done():
+        fut.set_exception(RecordRejected(str(exc)))
 
 
 class Writer:
@@ -118,14 +146,7 @@ class Writer:
             started = time.perf_counter()
             try:
                 async with self._lock:
-                    # Built under the lock: a delete in between could collect blobs these rows rely on.
-                    rows, new_blobs = self._rows([op for op, _ in batch])
-                    await asyncio.get_running_loop().run_in_executor(self._thread, self._commit, rows)
-                for key in new_blobs:
-                    self.known_blobs.put(key, True)
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_result(None)
+                    await self._commit_batch(batch)
             except Exception as exc:  # noqa: BLE001 - every waiter must hear of the failure
                 log.error("store.commit_failed", error=str(exc), batch=len(batch))
                 for _, fut in batch:
@@ -137,9 +158,52 @@ class Writer:
             if self._on_commit is not None:
                 self._on_commit(len(batch), time.perf_counter() - started)
 
-    def _rows(self, batch: list[WriteOp]) -> tuple[_Rows, list[str]]:
-        """The rows a batch writes (built on the event loop, where the caches live), and its new blob keys."""
+    async def _commit_batch(self, batch: list[tuple[WriteOp, asyncio.Future[None]]]) -> None:
+        """Commit a batch as one transaction; a write that cannot be stored fails alone.
+
+        Each write's rows are built apart (under the lock: a delete in between could collect blobs these rows
+        rely on), so one whose rows cannot be built is refused before the transaction. If the transaction itself
+        fails, each write is committed on its own, so the failure stays with the write that caused it and every
+        other write in the batch is stored."""
+        built: list[tuple[_Rows, list[str], asyncio.Future[None]]] = []
+        for op, fut in batch:
+            try:
+                rows, new_blobs = self._rows(op)
+            except Exception as exc:  # noqa: BLE001 - whatever it is, it is this write's alone
+                _reject(fut, exc, "rows")
+                continue
+            built.append((rows, new_blobs, fut))
+        if not built:
+            return
+        run = asyncio.get_running_loop().run_in_executor
+        try:
+            await run(self._thread, self._commit, _Rows.merged([rows for rows, _, _ in built]))
+        except Exception as exc:  # noqa: BLE001 - find the write to blame by committing each alone
+            if _whole_store(exc):
+                raise
+            for rows, new_blobs, fut in built:
+                try:
+                    await run(self._thread, self._commit, rows)
+                except Exception as exc:  # noqa: BLE001
+                    if _whole_store(exc):
+                        raise
+                    _reject(fut, exc, "commit")
+                else:
+                    self._committed(new_blobs, fut)
+            return
+        for _, new_blobs, fut in built:
+            self._committed(new_blobs, fut)
+
+    def _committed(self, new_blobs: list[str], fut: asyncio.Future[None]) -> None:
+        for key in new_blobs:
+            self.known_blobs.put(key, True)
+        if not fut.done():
+            fut.set_result(None)
+
+    def _rows(self, op: WriteOp) -> tuple[_Rows, list[str]]:
+        """The rows a write makes (built on the event loop, where the caches live), and its new blob keys."""
         blobs: dict[str, bytes] = {}
+        heads: list[tuple[CallRecord, str | None]] = []
         trajectories = []
         calls = []
         tool_calls = []
@@ -151,7 +215,7 @@ class Writer:
                 blobs[key] = body
             return key
 
-        for rec in (one for op in batch for call in op.records for one in split_choices(call)):
+        for rec in (one for call in op.records for one in split_choices(call)):
             request_keys = [put_blob(m) for m in rec.request_messages]
             tools_key = put_blob(rec.tools) if rec.tools else None
             response = rec.response
@@ -165,7 +229,7 @@ class Writer:
                 # Bodies live in blobs; the response keeps everything else.
                 response = {**response, "choices": [
                     {k: v for k, v in c.items() if k != "message"} for c in choices]}
-            self._advance(rec, head)
+            heads.append((rec, head))
             status = "completed" if rec.status == "ok" else rec.status
             ref = rec.trajectory
             message_count = len(rec.request_messages) + (1 if response_keys else 0)
@@ -187,8 +251,11 @@ class Writer:
                  int(t["repaired"]), int(t["valid"]), t["validation_error"], t["status"], t.get("result"),
                  t.get("duration_ms"), rec.created_at)
                 for t in rec.tool_calls)
-        statements = [st for op in batch for st in op.statements]
-        return _Rows(list(blobs.items()), trajectories, calls, tool_calls, statements), list(blobs)
+        # Stitching learns the new heads only once every row of the write is built: a write refused half-way
+        # must not leave a head behind.
+        for rec, head in heads:
+            self._advance(rec, head)
+        return _Rows(list(blobs.items()), trajectories, calls, tool_calls, list(op.statements)), list(blobs)
 
     def _commit(self, rows: _Rows) -> None:
         """One transaction on the writer thread; all of it or none of it."""

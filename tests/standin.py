@@ -3,13 +3,15 @@
 Its behaviour is chosen by the last user message, so a test steers it through the real gateway:
 ``status:503`` answers that status, ``slow:2`` waits two seconds, ``garbage`` answers non-JSON,
 ``flaky`` fails the first attempt of each distinct request, ``stall`` streams one chunk then hangs,
-``tool`` answers with a tool call; anything else is echoed back as ``echo: <text>``.
+``tool`` answers with a tool call, ``deep:N`` adds a field nested N levels to its answer, ``overflow`` counts more
+tokens than an SQLite integer holds; anything else is echoed back as ``echo: <text>``.
 Every request it receives is kept in ``calls``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -74,11 +76,20 @@ class StandIn:
                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
             finish = "tool_calls"
         usage = {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}
-        base = {"id": "chatcmpl-standin", "created": int(time.time()), "model": body.get("model")}
+        if command == "overflow":
+            usage["prompt_tokens"] = usage["total_tokens"] = 2**64 - 1
+        base: dict[str, Any] = {"id": "chatcmpl-standin", "created": int(time.time()), "model": body.get("model")}
+        if command == "deep":
+            nested: list[Any] = []
+            for _ in range(int(arg)):
+                nested = [nested]
+            base["system_fingerprint_detail"] = nested
         if not body.get("stream"):
-            return Response(orjson.dumps({**base, "object": "chat.completion", "choices": [
-                {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}], "usage": usage}),
-                media_type="application/json")
+            answer = {**base, "object": "chat.completion", "choices": [
+                {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}], "usage": usage}
+            # orjson writes at most 254 levels; the standard library goes as deep as its recursion limit.
+            return Response(json.dumps(answer).encode() if command == "deep" else orjson.dumps(answer),
+                            media_type="application/json")
         return StreamingResponse(self._stream(base, message, finish, usage, body, command),
                                  media_type="text/event-stream")
 
@@ -87,7 +98,8 @@ class StandIn:
         chunk = {**base, "object": "chat.completion.chunk"}
 
         def frame(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-            return b"data: " + orjson.dumps({**chunk, "choices": choices, **extra}) + b"\n\n"
+            data = {**chunk, "choices": choices, **extra}
+            return b"data: " + (json.dumps(data).encode() if command == "deep" else orjson.dumps(data)) + b"\n\n"
 
         try:
             yield frame([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])

@@ -72,8 +72,9 @@ def test_only_the_config_reads_the_environment() -> None:
 # -- one owner of SQL --------------------------------------------------------------------------------------
 
 SQL = re.compile(r"^\s*(SELECT|INSERT|UPDATE|DELETE|REPLACE|CREATE|ALTER|DROP|PRAGMA|BEGIN|COMMIT)\b")
-# Databases that are not the store: the sql_query tool's own database, and the task suite's fixture database.
-NOT_THE_STORE = {"tools.builtin.sql_query", "training.tasks.tools_suite"}
+# Databases that are not the store: the sql_query tool's own database (read in its worker process), and the task
+# suite's fixture database.
+NOT_THE_STORE = {"tools.builtin.sql_worker", "training.tasks.tools_suite"}
 STORE_PRIVATE = {"_select", "_change", "_change_returning", "_transaction"}
 
 
@@ -103,7 +104,7 @@ def test_the_sql_check_finds_what_it_looks_for(tmp_path: Path) -> None:
                        '    return store._select(f"UPDATE bot_messages SET status = {t}")\n')
     assert len(sql_in(planted)) == 3
     assert sql_in(ROOT / "replay" / "approvals.py")  # the repositories do hold SQL
-    assert sql_in(ROOT / "tools" / "builtin" / "sql_query.py")  # and so does the exempt tool
+    assert sql_in(ROOT / "tools" / "builtin" / "sql_worker.py")  # and so does the exempt tool's worker
 
 
 def test_the_store_has_no_open_door() -> None:

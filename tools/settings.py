@@ -8,7 +8,7 @@ from __future__ import annotations
 import ipaddress
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 
 class ConfigError(ValueError):
@@ -59,6 +59,10 @@ class ToolsSettings(Section):
     sql_max_rows: int = Field(200, gt=0, description="Most rows one query returns.")
     sql_max_bytes: int = Field(262_144, ge=1000, le=100_000_000, description="Largest value a query may make, "
                                "and most bytes of rows fetched (past it the rows are truncated).")
+    sql_max_memory_mb: int = Field(128, ge=16, le=65_536, description="MiB of memory SQLite may allocate for one "
+                                   "query, in the worker process it runs in; past it the query fails.")
+    sql_workers: int = Field(2, ge=1, le=64, description="Worker processes sql_query keeps: the most queries that run "
+                             "at once.")
     allow_hosts: AllowHosts = Field(
         default_factory=list, description="Hosts network tools may reach even at private addresses: 'host' (ports "
         "80 and 443) or 'host:port'.")
@@ -72,3 +76,13 @@ class ToolsSettings(Section):
     browser_timeout: float = Field(30.0, gt=0, description="Seconds one browse call may take.")
     browser_max_pages: int = Field(4, gt=0, description="Most pages open at once.")
     output_cap: int = Field(20_000, gt=0, description="Most characters of a built-in tool's result.")
+
+    @model_validator(mode="after")
+    def _check_sql_memory(self) -> ToolsSettings:
+        # A value of sql_max_bytes is built from its inputs (hex() doubles a blob) next to SQLite's own caches:
+        # a heap smaller than that would refuse queries the value limit allows.
+        needed = (4 * self.sql_max_bytes >> 20) + 16
+        if self.sql_max_memory_mb < needed:
+            raise ValueError(f"sql_max_memory_mb = {self.sql_max_memory_mb} is too small for sql_max_bytes = "
+                             f"{self.sql_max_bytes}: give it at least {needed} (4 x sql_max_bytes + 16 MiB)")
+        return self

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import orjson
@@ -55,7 +55,7 @@ class _WithAdapter:
         self.count_tokens = backend.count_tokens
 
     async def chat(self, request: ChatRequest) -> ChatResult:
-        return await self.backend.chat(ChatRequest(body=request.body, model=request.model, adapter=self.adapter))
+        return await self.backend.chat(replace(request, adapter=self.adapter))
 
 
 class Evaluator:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import structlog
@@ -248,7 +248,7 @@ class AdapterBackend:
         return getattr(self.backend, attr)
 
     def _request(self, request: ChatRequest) -> ChatRequest:
-        return ChatRequest(body=request.body, model=self.base, adapter=self.version.backend_name)
+        return replace(request, model=self.base, adapter=self.version.backend_name)
 
     async def chat(self, request: ChatRequest) -> ChatResult:
         lease = await self.manager.acquire(self.backend, self.version)

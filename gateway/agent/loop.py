@@ -148,8 +148,10 @@ class Recorder(Protocol):
 class AgentLoop:
     def __init__(self, *, profile: Profile, backend: Backend, toolbox: Toolbox, recorder: Recorder,
                  state: RunState, token_counter: ctx.TokenCounter | None = None,
-                 on_event: Callable[[Event], None] | None = None, hold_for_approval: bool = False) -> None:
+                 on_event: Callable[[Event], None] | None = None, hold_for_approval: bool = False,
+                 tenant: str | None = None) -> None:
         self.profile = profile
+        self.tenant = tenant  # whose run it is: the backend keeps its cached prompts apart from other tenants
         self.backend = backend
         self.toolbox = toolbox
         self.recorder = recorder
@@ -326,8 +328,8 @@ class AgentLoop:
         started = time.perf_counter()
         timeout = self.guard.seconds_left()
         try:
-            result = await asyncio.wait_for(self.backend.chat(ChatRequest(body=body, model=self.profile.model)),
-                                            timeout)
+            request = ChatRequest(body=body, model=self.profile.model, tenant=self.tenant)
+            result = await asyncio.wait_for(self.backend.chat(request), timeout)
         except TimeoutError:
             record.error = "the deadline passed during the model call"
             await self._persist(record)
@@ -367,7 +369,7 @@ class AgentLoop:
         body = {"model": self.profile.model, "messages": ctx.summary_request(split.middle), "max_tokens": 256}
         summary_record.request = body
         try:
-            result = await self.backend.chat(ChatRequest(body=body, model=self.profile.model))
+            result = await self.backend.chat(ChatRequest(body=body, model=self.profile.model, tenant=self.tenant))
             summary_record.result = result
             usage = result.response.get("usage") or {}
             self.state.budget.prompt_tokens += int(usage.get("prompt_tokens") or 0)

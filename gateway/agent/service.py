@@ -94,7 +94,7 @@ class AgentService:
         # Count context with the backend's own tokenizer where it has one.
         loop = AgentLoop(profile=profile, backend=backend, toolbox=toolbox, recorder=recorder, state=state,
                          on_event=on_event, token_counter=getattr(backend, "count_tokens", None),
-                         hold_for_approval=hold_for_approval)
+                         hold_for_approval=hold_for_approval, tenant=tenant)
         return loop, recorder
 
     async def load(self, run_id: str) -> tuple[AgentLoop, StoreRecorder] | None:

@@ -11,7 +11,7 @@ from gateway.agent.service import AGENT_PREFIX
 from gateway.api.agent import agent_chat
 from gateway.api.common import json_response, read_json_body
 from gateway.api.exchange import Relay, choose_model, complete, open_exchange, open_stream
-from gateway.errors import error_body
+from gateway.errors import APIError, error_body
 from gateway.protocol.chat import validate_chat_request
 from gateway.protocol.sse import DONE, encode_event
 from gateway.streaming import EventStreamResponse
@@ -40,7 +40,11 @@ async def _frames(relay: Relay) -> AsyncIterator[bytes]:
             yield encode_event(chunk)
     finally:
         await relay.close()
-    await relay.commit()
+    try:
+        await relay.commit()
+    except APIError as exc:  # not recorded: the finishing chunks are not sent
+        yield encode_event(exc.body())
+        return
     tail = [encode_event(chunk) for chunk in relay.held]
     tail.append(encode_event(error_body(relay.error or "backend error", "backend_error", code=relay.error_code))
                 if relay.status == "error" else DONE)

@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.errors import APIError
+from gateway.protocol.nesting import MAX_DEPTH, too_deep
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -36,9 +37,20 @@ def parse_json(raw: bytes) -> Any:
     if not raw:
         raise APIError(400, "Request body is empty; expected a JSON object.", code="invalid_json")
     try:
-        return orjson.loads(raw)
+        value = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
+        if "depth limit" in str(exc):  # orjson reads at most 1,024 levels
+            raise _too_deep("") from None
         raise APIError(400, f"Request body is not valid JSON: {exc}.", code="invalid_json") from None
+    where = too_deep(value)
+    if where is not None:
+        raise _too_deep(where)
+    return value
+
+
+def _too_deep(where: str) -> APIError:
+    return APIError(400, f"The request's JSON{f' in {where!r}' if where else ''} is nested more than {MAX_DEPTH} "
+                         "levels deep.", param=where or None, code="nesting_too_deep")
 
 
 def json_response(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -22,8 +22,10 @@ from gateway.backends.base import Backend, BackendError, ChatRequest, ChatResult
 from gateway.errors import APIError
 from gateway.protocol.chat import ChatCompletionRequest, ChunkAccumulator, carries_output
 from gateway.routing import Target
+from gateway.streaming import ClientDisconnected, unless_disconnected
 from replay import hashing
 from replay.records import CallRecord, Statement, TrajectoryRef, WriteOp, new_id
+from replay.writer import RecordRejected
 
 log = structlog.get_logger()
 
@@ -77,7 +79,8 @@ class Exchange:
         return self.target.backend
 
     def chat_request(self, body: dict[str, Any] | None = None) -> ChatRequest:
-        return ChatRequest(body=self.body if body is None else body, model=self.target.base)
+        return ChatRequest(body=self.body if body is None else body, model=self.target.base,
+                           tenant=self.principal.tenant)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -153,13 +156,21 @@ async def complete(request: Request, exchange: Exchange,
                    statements_for: Callable[[ChatResult], Statements] | None = None) -> ChatResult:
     """A non-streamed completion, guarded and committed (with ``statements_for(result)``) before it returns."""
     records: list[CallRecord] = []
+
+    async def answer() -> ChatResult:
+        return await _guard(request, exchange, await exchange.backend.chat(exchange.chat_request()), records)
+
     try:
-        result = await exchange.backend.chat(exchange.chat_request())
-        result = await _guard(request, exchange, result, records)
+        # Nobody waits for an answer once its client has gone: the backend's work is cancelled then.
+        result = await unless_disconnected(request.receive, answer())
     except BackendError as exc:
         records.append(exchange.record(status="error", error=exc.message))
         await _save(request, exchange, records)
         raise as_api_error(exc, exchange) from None
+    except ClientDisconnected:
+        _record_disconnect(request, exchange, [*records, exchange.record(
+            status="client_disconnected", error="the client closed the connection before the answer")])
+        raise
     await _save(request, exchange, records, statements_for(result) if statements_for else [])
     _account(request, exchange, result.response.get("usage"))
     return result
@@ -177,7 +188,21 @@ async def open_stream(request: Request, exchange: Exchange) -> ChunkStream:
 async def _save(request: Request, exchange: Exchange, records: list[CallRecord],
                 statements: Statements | None = None) -> None:
     if exchange.principal.capture and (records or statements):
-        await request.app.state.gateway.store.write(WriteOp(records=records, statements=statements or []))
+        try:
+            await request.app.state.gateway.store.write(WriteOp(records=records, statements=statements or []))
+        except RecordRejected as exc:
+            # Nothing is answered that is not recorded; the other exchanges committed with it are stored.
+            raise APIError(502, f"The exchange could not be recorded, so it is not answered: {exc}.",
+                           error_type="server_error", code="record_failed", headers=exchange.headers) from None
+
+
+def _record_disconnect(request: Request, exchange: Exchange, records: list[CallRecord]) -> None:
+    """Keep what a client that went away was sent (or nothing, but that it asked), in the background: nobody
+    waits for this commit."""
+    request.scope["state"]["log"]["status_detail"] = "client_disconnected"
+    if exchange.principal.capture:
+        gateway = request.app.state.gateway
+        gateway.spawn(gateway.store.write(WriteOp(records=records)))
 
 
 async def _guard(request: Request, exchange: Exchange, result: ChatResult, records: list[CallRecord]) -> ChatResult:
@@ -317,14 +342,10 @@ class Relay:
         if self.finished:
             return
         await self.stream.aclose()
-        self.request.scope["state"]["log"]["status_detail"] = "client_disconnected"
-        if self.exchange.principal.capture:
-            record = self.exchange.record(status="client_disconnected",
-                                          response=self.acc.completion() if self.acc.chunks else None,
-                                          error="the client closed the connection mid-stream",
-                                          result_extras=self.stream.extras, ttft_ms=self._ttft_ms)
-            gateway = self.request.app.state.gateway
-            gateway.spawn(gateway.store.write(WriteOp(records=[record])))
+        _record_disconnect(self.request, self.exchange, [self.exchange.record(
+            status="client_disconnected", response=self.acc.completion() if self.acc.chunks else None,
+            error="the client closed the connection mid-stream", result_extras=self.stream.extras,
+            ttft_ms=self._ttft_ms)])
 
     async def commit(self, statements: Statements | None = None) -> None:
         _account(self.request, self.exchange, self.acc.usage)

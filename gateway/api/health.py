@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from contextlib import suppress
+
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+
+from gateway.errors import APIError
 
 
 async def healthz(request: Request) -> Response:
@@ -19,8 +23,15 @@ async def metrics(request: Request) -> Response:
     gateway = request.app.state.gateway
     # [server] metrics_auth: "open" (scrapers on a private network), "key" (any API key), "admin" (the admin key).
     mode = gateway.settings.server.metrics_auth
+    principal = None
     if mode == "admin":
-        await gateway.auth.require_admin(request.headers)
+        principal = await gateway.auth.require_admin(request.headers)
     elif mode == "key":
-        await gateway.auth.authenticate(request.headers)
-    return Response(gateway.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        principal = await gateway.auth.authenticate(request.headers)
+    elif "authorization" in request.headers:
+        with suppress(APIError):  # a scraper's key is not needed here, so a wrong one is no error
+            principal = await gateway.auth.authenticate(request.headers)
+    # Figures that move with single requests go only to readers who may see every tenant's: the admin key, or
+    # anyone on an open gateway (loopback, no key: one user).
+    private = (principal is not None and principal.admin) or await gateway.auth.is_open()
+    return Response(gateway.metrics.render(private=private), media_type=CONTENT_TYPE_LATEST)

@@ -138,7 +138,11 @@ async def _stream(relay: Relay, events: ResponseStream, kept: _Kept, store: Traj
         tail += events.fail(failure_code(relay.error_status, relay.error or ""), relay.error or "the backend failed")
     else:
         tail += events.finish()
-    await relay.commit(kept.statements(events.response))
+    try:
+        await relay.commit(kept.statements(events.response))
+    except APIError as exc:  # not recorded: the finishing events are not sent
+        yield _frames(events.error(exc.code or exc.error_type, exc.message))
+        return
     await kept.without_capture(store, events.response)
     yield _frames(tail)
 

@@ -12,12 +12,15 @@ class ChatRequest:
     """A chat completion as the backend should run it.
 
     ``body`` is an OpenAI chat-completions body (messages, tools, sampling parameters) whose ``model`` is
-    already the name the backend knows; ``adapter`` names a LoRA adapter to apply, if any.
+    already the name the backend knows; ``adapter`` names a LoRA adapter to apply, if any; ``tenant`` is whose
+    request it is: a backend that keeps state across requests (the embedded model's prefix cache) keeps each
+    tenant's apart.
     """
 
     body: dict[str, Any]
     model: str
     adapter: str | None = None
+    tenant: str | None = None
 
 
 @dataclass

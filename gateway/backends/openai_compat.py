@@ -27,6 +27,7 @@ from gateway.backends.base import (
     ChatResult,
 )
 from gateway.config import BackendSettings
+from gateway.protocol.nesting import MAX_DEPTH, too_deep
 
 log = structlog.get_logger()
 
@@ -37,6 +38,12 @@ ERROR_BODY_BYTES = 65_536  # of an error response: enough to quote its message
 class _Retryable(Exception):
     def __init__(self, error: BackendError) -> None:
         self.error = error
+
+
+def _bounded(answer: dict[str, Any], backend: str) -> None:
+    """An answer nested deeper than a request may be could be neither recorded nor sent on."""
+    if too_deep(answer) is not None:
+        raise BadGateway(f"backend {backend!r} answered with JSON nested more than {MAX_DEPTH} levels deep")
 
 
 def _upstream_error(response: httpx.Response, body: bytes) -> BackendError:
@@ -158,6 +165,7 @@ class OpenAICompatBackend:
             raise BadGateway(f"backend {self.name!r} returned a body that is not JSON") from None
         if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
             raise BadGateway(f"backend {self.name!r} returned JSON without 'choices'")
+        _bounded(data, self.name)
         return ChatResult(response=data)
 
     async def stream(self, request: ChatRequest) -> UpstreamStream:
@@ -215,6 +223,7 @@ class UpstreamStream:
                     raise BadGateway(f"backend {self._backend!r} sent a stream event that is not JSON") from None
                 if not isinstance(chunk, dict):
                     raise BadGateway(f"backend {self._backend!r} sent a stream event that is not an object")
+                _bounded(chunk, self._backend)
                 if "error" in chunk and "choices" not in chunk:
                     err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
                     raise BackendError(f"backend {self._backend!r} failed mid-stream: {err.get('message')}",

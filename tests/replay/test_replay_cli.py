@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from harness.main import app
 from replay.importer import build_op, read_file
 from replay.schema import SCHEMA_VERSION
+from replay.writer import RecordRejected
 from tests.replay import builders as b
 
 runner = CliRunner()
@@ -187,7 +188,7 @@ async def test_import_is_all_or_nothing(db: Path, tmp_path: Path) -> None:
     op.statements.append(("INSERT INTO no_such_table VALUES (1)", ()))
     store = await b.open_store(db)
     try:
-        with pytest.raises(sqlite3.OperationalError):
+        with pytest.raises(RecordRejected, match="no_such_table"):
             await store.write(op)
     finally:
         await store.close()

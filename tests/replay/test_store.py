@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 
 from replay import hashing, keys
-from replay.records import CallRecord
+from replay.records import CallRecord, WriteOp
 from replay.schema import MIGRATIONS, SCHEMA_VERSION, migrate
 from replay.store import TrajectoryStore
+from replay.writer import RecordRejected
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 
@@ -112,6 +113,42 @@ async def test_group_commit_under_backpressure(tmp_path: Path) -> None:
     await store.close()
     db = sqlite3.connect(tmp_path / "h.db")
     assert db.execute("SELECT COUNT(*) FROM model_calls").fetchone()[0] == 200
+    assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+@pytest.mark.parametrize("fault", ["rows", "commit", "statement"])
+async def test_a_write_the_store_cannot_take_fails_alone(tmp_path: Path, fault: str) -> None:
+    """One write in the middle of concurrent batches that cannot be stored: its rows cannot be built (a value
+    JSON cannot hold), its row fails inside the transaction (an integer past SQLite's), or its statement does.
+    Only its own caller hears of it; every other write of the batch is committed."""
+    store = await _open(tmp_path / "h.db", commit_delay_ms=5)
+    poisoned = set(range(3, 200, 17))
+
+    async def one(i: int) -> str:
+        messages = [{"role": "user", "content": f"q{i}"}]
+        prefix = hashing.prefix_hashes(messages)
+        ref = await store.resolve(session_key=None, prefix=prefix, anchor=prefix[0], tenant=f"t{i % 3}")
+        rec = CallRecord(trajectory=ref, request_messages=messages, request_prefix=prefix, status="ok",
+                         tenant=f"t{i % 3}", response=_answer("a"), prompt_tokens=1, completion_tokens=1)
+        statements = []
+        if i in poisoned:
+            if fault == "rows":
+                rec.params = {"seed": {1, 2}}
+            elif fault == "commit":
+                rec.prompt_tokens = 2**64 - 1
+            else:
+                statements = [("UPDATE no_such_table SET x = 1", ())]
+        await store.write(WriteOp(records=[rec], statements=statements))
+        return ref.id
+
+    results = await asyncio.gather(*[one(i) for i in range(200)], return_exceptions=True)
+    await store.close()
+    refused = {i for i, r in enumerate(results) if isinstance(r, BaseException)}
+    assert refused == poisoned
+    assert all(isinstance(results[i], RecordRejected) for i in refused)
+    db = sqlite3.connect(tmp_path / "h.db")
+    stored = {row[0] for row in db.execute("SELECT trajectory_id FROM model_calls")}
+    assert stored == {r for i, r in enumerate(results) if i not in poisoned}
     assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 

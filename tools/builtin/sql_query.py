@@ -1,163 +1,198 @@
 """sql_query: read-only SQL on the SQLite file named by ``[tools] sql_database``.
 
-Locks, each enough on its own for some attacks and together for all we know of: the file is opened read-only
-(``mode=ro``), ``query_only`` is on, an authorizer allows nothing but reading (no writes, no ATTACH/DETACH,
-only harmless pragmas, no transactions, and only the SQL functions on an allow-list: a deny-list let
-``fts3_tokenizer`` hand out a native pointer). Memory: no value may exceed ``sql_max_bytes``
-(``SQLITE_LIMIT_LENGTH``, so ``randomblob(900000000)`` fails at once) and fetching stops once the rows hold that
-many bytes. Time: a progress handler interrupts a query past its limit between steps, and a timer interrupts
-the connection at the deadline from outside, so the worker thread never outlives the call for long.
+Each statement runs in a worker process (``tools.builtin.sql_worker``, which describes the locks on it), never in
+the gateway: there SQLite's heap limit and an address-space limit bound the memory of the whole statement, which
+per-value limits cannot (``json_group_array`` took the gateway past a gigabyte before it checked its length). Workers
+live on between calls, so a call costs a round trip over a pipe, not a process start; at most ``sql_workers`` run
+at once, and one that ran out of memory, past its time, or died is replaced on the next call.
 """
 
 from __future__ import annotations
 
 import asyncio
-import sqlite3
+import atexit
+import json
+import os
+import selectors
+import struct
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+import structlog
+
+from tools.builtin.sql_worker import MIB
 from tools.context import ToolContext
 from tools.settings import ToolsSettings
 from tools.spec import ToolError, ToolSpec
 
-# Pragmas that only describe the schema; every other pragma (including all that set a value) is denied.
-READ_ONLY_PRAGMAS = frozenset({
-    "table_info", "table_xinfo", "table_list", "index_list", "index_info", "index_xinfo", "foreign_key_list",
-})
-_ALLOWED_ACTIONS = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_RECURSIVE})
-# SQL functions a query may call: SQLite's core, aggregate, window, date, math and JSON functions and the
-# full-text search helpers for reading FTS tables. Everything else (load_extension, fts3_tokenizer and fts5,
-# which deal in native pointers, sqlite_log, the r-tree debugging functions, anything an extension adds) is
-# refused. Names of newer SQLite releases are listed too, so an upgrade does not break queries.
-ALLOWED_FUNCTIONS = frozenset({
-    # core scalar
-    "abs", "changes", "char", "coalesce", "concat", "concat_ws", "format", "glob", "hex", "ifnull", "iif", "if",
-    "instr", "last_insert_rowid", "length", "like", "likelihood", "likely", "lower", "ltrim", "max", "min",
-    "nullif", "octet_length", "printf", "quote", "random", "randomblob", "replace", "round", "rtrim", "sign",
-    "soundex", "sqlite_compileoption_get", "sqlite_compileoption_used", "sqlite_source_id", "sqlite_version",
-    "substr", "substring", "subtype", "total_changes", "trim", "typeof", "unhex", "unicode", "unistr",
-    "unistr_quote", "unlikely", "upper", "zeroblob",
-    # aggregate
-    "avg", "count", "group_concat", "string_agg", "sum", "total", "median", "percentile", "percentile_cont",
-    "percentile_disc",
-    # window
-    "row_number", "rank", "dense_rank", "percent_rank", "cume_dist", "ntile", "lag", "lead", "first_value",
-    "last_value", "nth_value",
-    # date and time
-    "date", "time", "datetime", "julianday", "unixepoch", "strftime", "timediff", "current_date", "current_time",
-    "current_timestamp",
-    # math
-    "acos", "acosh", "asin", "asinh", "atan", "atan2", "atanh", "ceil", "ceiling", "cos", "cosh", "degrees", "exp",
-    "floor", "ln", "log", "log10", "log2", "mod", "pi", "pow", "power", "radians", "sin", "sinh", "sqrt", "tan",
-    "tanh", "trunc",
-    # JSON
-    "->", "->>", "json", "jsonb", "json_array", "jsonb_array", "json_array_length", "json_error_position",
-    "json_extract", "jsonb_extract", "json_insert", "jsonb_insert", "json_object", "jsonb_object", "json_patch",
-    "jsonb_patch", "json_pretty", "json_quote", "json_remove", "jsonb_remove", "json_replace", "jsonb_replace",
-    "json_set", "jsonb_set", "json_type", "json_valid", "json_group_array", "jsonb_group_array",
-    "json_group_object", "jsonb_group_object", "json_each", "json_tree",
-    # reading full-text search tables
-    "match", "bm25", "highlight", "snippet", "offsets", "matchinfo",
-})
-# LIKE and GLOB patterns longer than this are refused: matching cost grows with the pattern.
-_MAX_PATTERN = 1000
-# Authorizer action codes by name, for refusals that say what was refused.
-_ACTION_NAMES = {
-    getattr(sqlite3, f"SQLITE_{name}"): name.replace("_", " ")
-    for name in (
-        "ALTER_TABLE", "ANALYZE", "ATTACH", "CREATE_INDEX", "CREATE_TABLE", "CREATE_TEMP_INDEX",
-        "CREATE_TEMP_TABLE", "CREATE_TEMP_TRIGGER", "CREATE_TEMP_VIEW", "CREATE_TRIGGER", "CREATE_VIEW",
-        "CREATE_VTABLE", "DELETE", "DETACH", "DROP_INDEX", "DROP_TABLE", "DROP_TEMP_INDEX", "DROP_TEMP_TABLE",
-        "DROP_TEMP_TRIGGER", "DROP_TEMP_VIEW", "DROP_TRIGGER", "DROP_VIEW", "DROP_VTABLE", "FUNCTION", "INSERT",
-        "PRAGMA", "REINDEX", "SAVEPOINT", "TRANSACTION", "UPDATE",
-    )
-}
-# How many SQLite virtual-machine steps run between two looks at the clock.
-_PROGRESS_STEPS = 10_000
+log = structlog.get_logger(__name__)
+
+_WORKER_SCRIPT = Path(__file__).with_name("sql_worker.py")
+# The worker interrupts a statement at its own deadline; only if it has not answered this much later is it killed.
+_GRACE = 2.0
+_DEFAULTS = ToolsSettings()
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return f"<blob of {len(value)} bytes>"
-    return value
+class _Broken(Exception):
+    """The worker process died or answered nonsense."""
 
 
-def _size(value: Any) -> int:
-    return len(value) if isinstance(value, str | bytes) else 8
+class _Worker:
+    """One worker process and the pipe to it; used by one call at a time."""
 
+    def __init__(self, max_memory: int) -> None:
+        # -I -S: no environment variables, user site or site-packages, only the standard library it needs.
+        # Its own session: a Ctrl-C meant for the gateway does not reach it; it leaves when the pipe closes.
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(_WORKER_SCRIPT), str(max_memory)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, close_fds=True, start_new_session=True,
+            # One malloc arena: a thread's own arena reserves 64 MB of address space, which the limit counts.
+            env={"MALLOC_ARENA_MAX": "1"},
+        )
+        self._stdin: IO[bytes] = self.proc.stdin  # type: ignore[assignment]
+        self._stdout = self.proc.stdout.fileno()  # type: ignore[union-attr]
+        self._selector = selectors.DefaultSelector()  # epoll where there is one: no FD_SETSIZE ceiling
+        self._selector.register(self._stdout, selectors.EVENT_READ)
 
-def run_query(database: str, query: str, *, timeout: float, max_rows: int, max_bytes: int) -> dict[str, Any]:
-    """Runs one read-only statement; blocking, so callers run it in a worker thread."""
-    path = Path(database).expanduser().resolve()
-    if not path.is_file():
-        raise ToolError(f"the database {database} does not exist")
-    denied: list[str] = []
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
-    def authorize(action: int, arg1: str | None, arg2: str | None, db: str | None, source: str | None) -> int:
-        if action in _ALLOWED_ACTIONS:
-            return sqlite3.SQLITE_OK
-        # For a function SQLite passes its name second (the first is always NULL).
-        if action == sqlite3.SQLITE_FUNCTION and (arg2 or "").lower() in ALLOWED_FUNCTIONS:
-            return sqlite3.SQLITE_OK
-        if action == sqlite3.SQLITE_PRAGMA and (arg1 or "").lower() in READ_ONLY_PRAGMAS:
-            return sqlite3.SQLITE_OK
-        what = _ACTION_NAMES.get(action, str(action))
-        if action == sqlite3.SQLITE_FUNCTION:
-            what = f"{what} {arg2}"
-        elif action == sqlite3.SQLITE_PRAGMA:
-            what = f"{what} {arg1}"
-        denied.append(what)
-        return sqlite3.SQLITE_DENY
-
-    deadline = time.monotonic() + timeout
-    connection = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, timeout=timeout, check_same_thread=False)
-    # From outside: a single step (one long function call) never reaches the progress handler.
-    alarm = threading.Timer(timeout, connection.interrupt)
-    alarm.daemon = True
-    try:
-        connection.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, max_bytes)
-        connection.setlimit(sqlite3.SQLITE_LIMIT_LIKE_PATTERN_LENGTH, _MAX_PATTERN)
-        # A sort of large rows keeps one record per merged run in memory; with a 16 MB cache its runs are big
-        # enough that a sort stays within ~40 MB at the default value limit (measured: 4 MB of cache, 78 MB).
-        connection.execute("PRAGMA cache_size = -16000")
-        connection.execute("PRAGMA query_only = ON")
-        # A schema written by someone else must not run functions through views or triggers.
-        connection.execute("PRAGMA trusted_schema = OFF")
-        connection.set_authorizer(authorize)
-        connection.set_progress_handler(lambda: int(time.monotonic() > deadline), _PROGRESS_STEPS)
-        alarm.start()
-        rows: list[tuple[Any, ...]] = []
-        size, truncated = 0, False
+    def ask(self, request: dict[str, Any], deadline: float, max_reply: int) -> dict[str, Any]:
+        """Sends one request and waits for its reply until ``deadline``; TimeoutError past it."""
+        body = json.dumps(request).encode()
         try:
-            cursor = connection.execute(query)
-            for row in cursor:
-                size += sum(_size(v) for v in row)
-                if len(rows) == max_rows or size > max_bytes:
-                    truncated = True
-                    break
-                rows.append(row)
-        except sqlite3.Error as exc:
-            if denied:
-                raise ToolError(f"only reading is allowed; refused: {', '.join(dict.fromkeys(denied))}") from None
-            if time.monotonic() > deadline:
-                raise ToolError(f"the query ran longer than its limit of {timeout:g}s") from None
-            if isinstance(exc, sqlite3.DataError) or "too big" in str(exc):
-                raise ToolError(f"a value would exceed the limit of {max_bytes} bytes ({exc})") from None
-            raise ToolError(f"{type(exc).__name__}: {exc}") from None
-        except sqlite3.Warning as exc:  # e.g. more than one statement
-            raise ToolError(str(exc)) from None
-        columns = [c[0] for c in cursor.description or ()]
-    finally:
-        alarm.cancel()
-        connection.close()
-    return {
-        "columns": columns,
-        "rows": [[_jsonable(v) for v in row] for row in rows],
-        "row_count": len(rows),
-        "truncated": truncated,
-    }
+            self._stdin.write(struct.pack(">I", len(body)) + body)
+        except OSError as exc:
+            raise _Broken(f"it could not be sent the query: {exc}") from None
+        size = struct.unpack(">I", self._read(4, deadline))[0]
+        if size > max_reply:
+            raise _Broken(f"it answered with {size} bytes, more than the {max_reply} a result may take")
+        reply = json.loads(self._read(size, deadline))
+        if not isinstance(reply, dict) or not ("result" in reply or "error" in reply):
+            raise _Broken("it answered something that is not a reply")
+        return reply
+
+    def _read(self, count: int, deadline: float) -> bytes:
+        chunks: list[bytes] = []
+        while count:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            if not self._selector.select(left):
+                continue
+            chunk = os.read(self._stdout, min(count, MIB))
+            if not chunk:
+                raise _Broken(self._exit_description())
+            chunks.append(chunk)
+            count -= len(chunk)
+        return b"".join(chunks)
+
+    def _exit_description(self) -> str:
+        try:
+            code = self.proc.wait(1)
+        except subprocess.TimeoutExpired:
+            return "it closed its pipe"
+        return f"it was killed by signal {-code}" if code < 0 else f"it exited with status {code}"
+
+    def close(self) -> None:
+        if self.alive():
+            self.proc.kill()
+        self.proc.wait()
+        self._selector.close()
+        self._stdin.close()
+        self.proc.stdout.close()  # type: ignore[union-attr]
+
+
+class WorkerPool:
+    """At most ``size`` worker processes, each running one statement at a time, kept between calls."""
+
+    def __init__(self, size: int, max_memory: int) -> None:
+        self.size, self.max_memory = size, max_memory
+        self._slots = threading.BoundedSemaphore(size)
+        self._idle: list[_Worker] = []
+        self._lock = threading.Lock()
+
+    def run(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Runs one request (see ``sql_worker``) and returns its result; blocking, and raises ``ToolError``."""
+        timeout = float(request["timeout"])
+        # A queue longer than a statement may run means the tool is flooded: say so rather than pile up threads.
+        if not self._slots.acquire(timeout=timeout):
+            raise ToolError(f"sql_query is already running {self.size} queries ([tools] sql_workers); "
+                            "try again in a moment")
+        try:
+            reply = self._ask(request, timeout)
+        finally:
+            self._slots.release()
+        if "error" in reply:
+            raise ToolError(str(reply["error"]))
+        return reply["result"]
+
+    def _ask(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+        with self._lock:
+            worker = self._idle.pop() if self._idle else None
+        if worker is None or not worker.alive():
+            if worker is not None:
+                worker.close()
+            worker = _Worker(self.max_memory)
+        max_reply = 16 * int(request["max_bytes"]) + int(request["max_rows"]) * 64 * 1024 + MIB
+        try:
+            reply = worker.ask(request, time.monotonic() + timeout + _GRACE, max_reply)
+        except TimeoutError:
+            worker.close()
+            log.warning("sql_query worker killed past its deadline", timeout=timeout)
+            raise ToolError(f"the query ran longer than its limit of {timeout:g}s") from None
+        except (_Broken, OSError, ValueError) as exc:
+            worker.close()
+            log.warning("sql_query worker failed", reason=str(exc))
+            raise ToolError(f"the query's worker process stopped ({exc}); it may have needed more than "
+                            f"{self.max_memory // MIB} MiB of memory") from None
+        if reply.get("recycle"):
+            worker.close()
+        else:
+            with self._lock:
+                self._idle.append(worker)
+        return reply
+
+    def close(self) -> None:
+        """Ends the idle workers; ones still running a statement end when their call does."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for worker in idle:
+            worker.close()
+
+
+_pools: dict[tuple[int, int], WorkerPool] = {}
+_pools_lock = threading.Lock()
+
+
+def worker_pool(size: int, max_memory: int) -> WorkerPool:
+    """The process's pool for these limits (a worker's heap limit can only be lowered, so each limit has its own)."""
+    with _pools_lock:
+        pool = _pools.get((size, max_memory))
+        if pool is None:
+            pool = _pools[(size, max_memory)] = WorkerPool(size, max_memory)
+        return pool
+
+
+@atexit.register
+def _close_pools() -> None:
+    with _pools_lock:
+        pools = list(_pools.values())
+    for pool in pools:
+        pool.close()
+
+
+def run_query(database: str, query: str, *, timeout: float, max_rows: int, max_bytes: int,
+              max_memory_mb: int = _DEFAULTS.sql_max_memory_mb, workers: int = _DEFAULTS.sql_workers,
+              ) -> dict[str, Any]:
+    """Runs one read-only statement in a worker process; blocking, so callers run it in a thread."""
+    request = {"database": database, "query": query, "timeout": timeout, "max_rows": max_rows,
+               "max_bytes": max_bytes}
+    return worker_pool(workers, max_memory_mb * MIB).run(request)
 
 
 async def _run(arguments: dict[str, Any], context: ToolContext) -> dict[str, Any]:
@@ -165,8 +200,9 @@ async def _run(arguments: dict[str, Any], context: ToolContext) -> dict[str, Any
     if not settings.sql_database:
         raise ToolError("no database is configured ([tools] sql_database)")
     return await asyncio.to_thread(
-        run_query, settings.sql_database, arguments["query"],
-        timeout=settings.sql_timeout, max_rows=settings.sql_max_rows, max_bytes=settings.sql_max_bytes,
+        run_query, settings.sql_database, arguments["query"], timeout=settings.sql_timeout,
+        max_rows=settings.sql_max_rows, max_bytes=settings.sql_max_bytes, max_memory_mb=settings.sql_max_memory_mb,
+        workers=settings.sql_workers,
     )
 
 
@@ -185,8 +221,9 @@ def build(settings: ToolsSettings) -> ToolSpec:
             "additionalProperties": False,
         },
         run=_run,
-        # The query's own limit fires first; this leaves room to open the file and return rows.
-        timeout=settings.sql_timeout + 5.0,
+        # A call may wait up to sql_timeout for a free worker, then run up to sql_timeout (and the grace before
+        # the worker is killed); this leaves room past both to return rows.
+        timeout=2 * settings.sql_timeout + 5.0,
         output_cap=settings.output_cap,
         permissions=frozenset({"database:read"}),
     )

@@ -34,7 +34,7 @@ from gateway.backends.base import (
 )
 from gateway.backends.local.adapters import Adapter, lora_config, read_rendering
 from gateway.backends.local.engine import Engine
-from gateway.backends.local.grammar import answer_schema, output_grammar
+from gateway.backends.local.grammar import answer_schema, compile_grammar
 from gateway.backends.local.jobs import Event, Job, Token
 from gateway.backends.local.prefix_cache import PrefixCache, PrefixStats
 from gateway.backends.local.replies import (
@@ -256,25 +256,28 @@ class LocalBackend:
         parallel = body.get("parallel_tool_calls") is not False
         answer = answer_schema(body.get("response_format"))
 
-        def render() -> tuple[list[int], str | None]:
-            grammar = output_grammar(answer=answer, tools=tools, calls=calls, parallel=parallel)
-            if params.logprobs or grammar is not None:
+        def render() -> list[int]:
+            if params.logprobs:
                 engine.grammar_tokenizer  # noqa: B018 - built here, off the event loop and the engine thread
             try:
-                return encode_prompt(self.loaded.tokenizer, messages, tools, rendering=rendering), grammar
+                return encode_prompt(self.loaded.tokenizer, messages, tools, rendering=rendering)
             except Exception as exc:  # a template raising means the caller's messages are malformed
                 raise invalid_request(f"cannot render the messages: {exc}", "messages") from exc
 
-        prompt_ids, grammar = await asyncio.to_thread(render)
+        # Built before the job reaches the engine, within a bound: its step never waits for a grammar's lexer.
+        grammar = await compile_grammar(lambda: engine.grammar_tokenizer, params.n, answer=answer, tools=tools,
+                                        calls=calls, parallel=parallel)
+        prompt_ids = await asyncio.to_thread(render)
         limit = self.loaded.context_length
         if len(prompt_ids) >= limit:
             raise invalid_request(f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit} tokens",
                                   "messages", "context_length_exceeded")
+        _check_room(body, params.max_tokens, len(prompt_ids), limit)
         params = replace(params, grammar=grammar, tool_stop=("last" if parallel else "first") if tools else None)
         return Prepared(prompt_ids, params, bool(tools), request.adapter,
                          engine.grammar_tokenizer if params.logprobs else None)
 
-    def _submit(self, prepared: Prepared) -> tuple[Job, Events]:
+    def _submit(self, prepared: Prepared, tenant: str | None) -> tuple[Job, Events]:
         engine = self._running_engine()
         # Resolved here, synchronously with the append below, so an unload that pops the name after this
         # point finds the job in the inbox and waits for it.
@@ -286,14 +289,14 @@ class LocalBackend:
             with suppress(RuntimeError):  # the loop is gone: nobody is waiting any more
                 loop.call_soon_threadsafe(queue.put_nowait, events)
 
-        job = Job(prepared.prompt_ids, prepared.params, deliver, adapter)
+        job = Job(prepared.prompt_ids, prepared.params, deliver, adapter, tenant)
         engine.submit(job)
         self._wakeup.set()
         return job, queue
 
     async def chat(self, request: ChatRequest) -> ChatResult:
         prepared = await self._prepare(request)
-        job, queue = self._submit(prepared)
+        job, queue = self._submit(prepared, request.tenant)
         n = prepared.params.n
         tokens: list[list[Token]] = [[] for _ in range(n)]
         reasons: list[str | None] = [None] * n
@@ -322,7 +325,17 @@ class LocalBackend:
 
     async def stream(self, request: ChatRequest) -> LocalChunkStream:
         prepared = await self._prepare(request)
-        return LocalChunkStream(*self._submit(prepared), prepared, request.model)
+        return LocalChunkStream(*self._submit(prepared, request.tenant), prepared, request.model)
+
+
+def _check_room(body: dict[str, Any], max_tokens: int, prompt: int, context: int) -> None:
+    """A completion limit the context cannot hold is refused, as OpenAI refuses it, rather than generating until
+    the context is full: that could keep the engine busy for minutes on a request nobody can use."""
+    named = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    if body.get(named) is not None and prompt + max_tokens > context:
+        raise invalid_request(f"{named} is too large: {max_tokens}. The prompt has {prompt} tokens and this model's "
+                              f"context is {context} tokens, which leaves at most {context - prompt} to complete.",
+                              named, "context_length_exceeded")
 
 
 def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:

@@ -33,17 +33,17 @@ import torch.nn.functional as F
 
 from gateway.backends.base import AdapterNotLoaded, BackendError
 from gateway.backends.local.adapters import Adapter, LoraModel
-from gateway.backends.local.grammar import Masks, matcher, tokenizer_for
+from gateway.backends.local.grammar import Constraint, Masks, tokenizer_for
 from gateway.backends.local.heap import map_large_allocations
 from gateway.backends.local.jobs import Event, Failure, Finish, Job, Op, Token
 from gateway.backends.local.kv import ATTENTION, BatchCache, capacity, zeros
-from gateway.backends.local.prefix_cache import Layers, Prefix, PrefixCache
+from gateway.backends.local.prefix_cache import Key, Layers, Prefix, PrefixCache
 from gateway.backends.local.sampling import Choice, choose, generators, shape_logits
 from gateway.backends.local.text import TextTracker
 from gateway.backends.local_model import LoadedModel
 
 if TYPE_CHECKING:
-    from llguidance import LLMatcher, LLTokenizer
+    from llguidance import LLTokenizer
     from peft import LoraConfig, PeftModel
 
 log = structlog.get_logger()
@@ -55,7 +55,7 @@ class _Sequence:
     index: int
     generator: torch.Generator
     text: TextTracker
-    matcher: LLMatcher | None = None  # what the output must match, when the job is constrained
+    matcher: Constraint | None = None  # what the output must match, when the job is constrained
     token_ids: list[int] = field(default_factory=list)
 
 
@@ -334,7 +334,7 @@ class Engine:
                  ) -> tuple[list[_Sequence], BatchCache, torch.Tensor, torch.Tensor]:
         # The n samples of a job share its prompt: prefilled once, then its row is copied.
         rows = [_Sequence(job, i, generator, TextTracker(self.tokenizer, job.params.stop, job.params.tool_stop),
-                          self._matcher(job.params.grammar))
+                          job.params.grammar.constraint(i) if job.params.grammar is not None else None)
                 for job in jobs for i, generator in enumerate(generators(job.params))]
         if len(rows) != len(jobs):
             repeat = torch.tensor([k for k, job in enumerate(jobs) for _ in range(job.params.n)])
@@ -386,8 +386,9 @@ class Engine:
             else:
                 text, stopped = row.text.push(token)
                 reason = "stop" if stopped else None
-            if reason is None and row.matcher is not None and self._grammar_done(row.matcher, token):
-                text, reason = text + row.text.flush(), "stop"
+            # A grammar that failed ends its row with an error finish, even on the end of turn its mask left.
+            if row.matcher is not None and (ended := row.matcher.advance(token, reason is None)) is not None:
+                text, reason = text + row.text.flush() if reason is None else text, ended
             if reason is None and (len(row.token_ids) >= job.params.max_tokens
                                    or len(job.prompt_ids) + len(row.token_ids) >= self.context_length):
                 text, reason = text + row.text.flush(), "length"
@@ -456,17 +457,6 @@ class Engine:
                                                     self.stop_token_ids)
         return self._grammar_tokenizer
 
-    def _matcher(self, grammar: str | None) -> LLMatcher | None:
-        return None if grammar is None else matcher(self.grammar_tokenizer, grammar)
-
-    @staticmethod
-    def _grammar_done(row_matcher: LLMatcher, token: int) -> bool:
-        """Advance the grammar by ``token``; whether the output is complete (nothing but the end may follow)."""
-        if not row_matcher.consume_token(token):  # only a token chosen around the mask (a scripted test) fails
-            log.warning("local.grammar_rejected", token=token, error=row_matcher.get_error()[:200])
-            return True
-        return row_matcher.is_stopped()
-
 
 def _positions(layers: Layers, row: int, real: torch.Tensor, start: int) -> Layers:
     """Row ``row``'s keys and values at its real positions ``real`` from the ``start``-th on (what the prefix cache
@@ -481,6 +471,7 @@ def _positions(layers: Layers, row: int, real: torch.Tensor, start: int) -> Laye
     return [(layer[0], layer[1]) for layer in block]
 
 
-def _key(job: Job) -> str | None:
-    """Whose keys and values a job's are: its adapter's (by internal name, never reused) or the base model's."""
-    return job.adapter.internal if job.adapter is not None else None
+def _key(job: Job) -> Key:
+    """Whose keys and values a job's are: its tenant's, under its adapter (by internal name, never reused) or the
+    base model."""
+    return job.tenant, job.adapter.internal if job.adapter is not None else None

@@ -34,7 +34,7 @@ class Token:
 @dataclass(frozen=True)
 class Finish:
     index: int
-    reason: str  # stop | length
+    reason: str  # stop | length | error (the grammar failed: ``grammar.ERROR_FINISH``)
 
 
 @dataclass(frozen=True)
@@ -56,4 +56,5 @@ class Job:
     params: SamplingParams
     deliver: Callable[[list[Event]], None]  # called on the engine thread
     adapter: Adapter | None = None  # None: the base model
+    tenant: str | None = None  # whose prompts its cached keys and values may be shared with
     cancelled: bool = False  # set from any thread; the engine drops the job at its next step

@@ -1,6 +1,7 @@
 """Key/value reuse across requests: a request prefills only the tokens after the longest prefix already computed.
 
-An entry holds the keys and values of a token sequence for one adapter (or the base): a prompt once it is prefilled,
+An entry holds the keys and values of a token sequence for one adapter (or the base) and one tenant (a ``Key``):
+a prompt once it is prefilled,
 and a whole sequence (prompt and reply) once it finishes, so an agent's next step, which resends the conversation
 with the reply and a tool result appended, finds all of it but the new turn. A request matches the entry sharing
 the longest common run of leading token ids with its prompt, so requests that only share a system prompt and tool
@@ -15,6 +16,9 @@ once the bytes of all nodes pass the budget; evicting one frees it and every hid
 A hit's keys and values are copied into the batch's own cache before anything is added, so eviction can never take
 them from under a running request: nothing needs pinning. Everything here runs on the engine thread; ``stats`` is
 read from any thread (a snapshot of ints).
+
+Entries are never shared across tenants: a hit is much faster than a prefill, so a tenant could otherwise learn
+whether a guess of another tenant's prompt (a system prompt holding a secret) had been seen, by its latency alone.
 """
 
 from __future__ import annotations
@@ -28,12 +32,13 @@ import torch
 from gateway.backends.local.kv import zeros
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys and values, [1, kv heads, positions, head dim]
+Key = tuple[str | None, str | None]  # whose entries: (tenant, adapter's internal name), None for none and the base
 MIN_REUSE = 8  # fewer shared tokens than this are prefilled afresh: not worth a forward pass of their own
 
 
 @dataclass(eq=False)
 class _Node:
-    adapter: str | None
+    key: Key
     ids: torch.Tensor  # [positions], every token from the first: the parent's ``start`` and this node's own
     parent: _Node | None
     start: int  # positions before this one are the parent's
@@ -78,11 +83,11 @@ class PrefixCache:
         self.stats = PrefixStats()
         self._visible: OrderedDict[int, _Node] = OrderedDict()  # by id(node), least recently used first
 
-    def _match(self, adapter: str | None, ids: torch.Tensor, limit: int) -> tuple[int, _Node | None]:
+    def _match(self, key: Key, ids: torch.Tensor, limit: int) -> tuple[int, _Node | None]:
         """The entry sharing the most leading tokens with ``ids`` (at most ``limit``), and how many."""
         best, best_node = 0, None
         for node in self._visible.values():
-            if node.adapter != adapter:
+            if node.key != key:
                 continue
             n = min(len(node.ids), limit)
             if n <= best:
@@ -93,10 +98,10 @@ class PrefixCache:
                 best, best_node = shared, node
         return best, best_node
 
-    def longest(self, adapter: str | None, prompt_ids: list[int]) -> Prefix | None:
+    def longest(self, key: Key, prompt_ids: list[int]) -> Prefix | None:
         """The longest cached prefix of the prompt, leaving at least one token to prefill (whose logits the first
         sample needs); None below ``MIN_REUSE`` tokens. Valid until the next ``add``."""
-        shared, node = self._match(adapter, torch.tensor(prompt_ids), len(prompt_ids) - 1)
+        shared, node = self._match(key, torch.tensor(prompt_ids), len(prompt_ids) - 1)
         if node is None or shared < MIN_REUSE:
             return None
         self._visible.move_to_end(id(node))
@@ -127,13 +132,13 @@ class PrefixCache:
         else:
             self.stats.misses += 1
 
-    def add(self, adapter: str | None, ids: list[int], positions_from: Callable[[int], Layers]) -> None:
+    def add(self, key: Key, ids: list[int], positions_from: Callable[[int], Layers]) -> None:
         """Keep the keys and values of ``ids``: only those after the longest prefix already held, which
         ``positions_from(start)`` gives as new tensors (not views of the batch's, which it frees as it moves on)."""
         if not ids:
             return
         tokens = torch.tensor(ids)
-        shared, parent = self._match(adapter, tokens, len(tokens))
+        shared, parent = self._match(key, tokens, len(tokens))
         if shared == len(tokens):  # an entry already holds all of it
             self._visible.move_to_end(id(parent))
             return
@@ -143,10 +148,10 @@ class PrefixCache:
         nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in own)
         if nbytes > self.budget_bytes:
             return
-        node = _Node(adapter, tokens, parent, shared, own, nbytes)
+        node = _Node(key, tokens, parent, shared, own, nbytes)
         if parent is not None:
             parent.children += 1
-        for extended in [n for n in self._visible.values() if n.adapter == adapter and len(n.ids) <= len(tokens)
+        for extended in [n for n in self._visible.values() if n.key == key and len(n.ids) <= len(tokens)
                          and torch.equal(n.ids, tokens[:len(n.ids)])]:
             self._hide(extended)
         self._visible[id(node)] = node
@@ -157,8 +162,8 @@ class PrefixCache:
         self.stats.entries = len(self._visible)
 
     def forget(self, adapter: str) -> None:
-        """Drop an unloaded adapter's entries."""
-        for node in [n for n in self._visible.values() if n.adapter == adapter]:
+        """Drop an unloaded adapter's entries, every tenant's."""
+        for node in [n for n in self._visible.values() if n.key[1] == adapter]:
             self._hide(node)
         self.stats.entries = len(self._visible)
 

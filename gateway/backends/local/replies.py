@@ -63,8 +63,9 @@ def logprobs_of(token_bytes: LLTokenizer | None, tokens: list[Token]) -> dict[st
 
 
 def final_message(text: str, reason: str, tools_enabled: bool) -> tuple[dict[str, Any], str]:
-    """The choice's message and finish reason. A generation cut off by the length limit keeps
-    ``length`` even when it holds calls, so a client never executes a call that was truncated."""
+    """The choice's message and finish reason. A generation cut off by the length limit (or by a grammar that
+    failed: ``error``) keeps its reason even when it holds calls, so a client never executes a call that was
+    truncated."""
     if not tools_enabled:
         return {"role": "assistant", "content": text}, reason
     parsed = parse_tool_calls(text)

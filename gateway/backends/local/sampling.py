@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gateway.backends.base import BackendError
+
+if TYPE_CHECKING:
+    from gateway.backends.local.grammar import Grammar
 
 DEFAULT_MAX_TOKENS = 256
 MAX_N = 128
@@ -37,7 +40,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
-    grammar: str | None = None  # what the output must match (``grammar.py``); None: anything
+    grammar: Grammar | None = None  # what the output must match, built (``grammar.py``); None: anything
     tool_stop: str | None = None  # "first" | "last": end after the first, or the last, ``</tool_call>``
 
     @property

@@ -38,6 +38,8 @@ def _final_status(finish_reason: Any) -> tuple[str, dict[str, Any] | None]:
         return "incomplete", {"reason": "max_output_tokens"}
     if finish_reason == "content_filter":
         return "incomplete", {"reason": "content_filter"}
+    if finish_reason == "error":  # the embedded engine's grammar failed mid-way: the output does not match it
+        return "incomplete", {"reason": "error"}
     return "completed", None
 
 

@@ -148,6 +148,11 @@ class ResponseStream:
         out.append(self._snapshot_event("response.failed"))
         return out
 
+    def error(self, code: str, message: str) -> list[dict[str, Any]]:
+        """An ``error`` event, OpenAI's way to end a stream that will not complete (whatever was sent before)."""
+        self._ended = True
+        return [self._event("error", code=code, message=message, param=None)]
+
     # items
 
     def _open(self, item: dict[str, Any]) -> tuple[int, dict[str, Any]]:

@@ -181,10 +181,17 @@ async def test_generation_stops_at_the_context_length(backend: LocalBackend, smo
     words = context
     while len(encode_prompt(smol_tokenizer, _body("word " * words)["messages"])) > context - 20:
         words -= 1
-    result = await backend.chat(_req(_body("word " * words, max_tokens=100)))
+    body = _body("word " * words)
+    del body["max_tokens"]  # the default (256) is more than the context leaves: the context ends it
+    result = await backend.chat(_req(body))
     prompt = len(result.extras.prompt_token_ids)
     assert context - prompt == 20 and len(_ids(result)) == 20
     assert result.response["choices"][0]["finish_reason"] == "length"
+    # A limit asked for explicitly that the context cannot hold is refused, as OpenAI refuses it.
+    with pytest.raises(BackendError) as info:
+        await backend.chat(_req(_body("word " * words, max_tokens=21)))
+    assert (info.value.status_code, info.value.param, info.value.code) == (400, "max_tokens", "context_length_exceeded")
+    assert len(_ids(await backend.chat(_req(_body("word " * words, max_tokens=20))))) == 20
 
 
 @pytest.mark.parametrize("params", [{"temperature": 3}, {"top_p": 0}, {"n": 0}, {"max_tokens": 0},

@@ -3,6 +3,7 @@ sampled and the model's own log-probabilities, stops at the end of the calls, an
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from gateway.backends.base import BackendError, ChatRequest
-from gateway.backends.local import LocalBackend
+from gateway.backends.local import LocalBackend, grammar
 from gateway.backends.local.grammar import matcher, output_grammar, tokenizer_for
 from gateway.backends.local.sampling import SamplingParams, shape_logits
 from gateway.backends.local_model import load_model
@@ -209,3 +210,106 @@ def _is_json(text: str) -> bool:
         return False
     return True
 
+
+
+# -- grammars that fail, and what a grammar may cost (issue 40, findings 6-8) ------------------------------------
+
+FAILING = {
+    "recursive": {"$ref": "#/$defs/n", "$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
+                                                       "required": ["next"]}}},
+    "cycle": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}},
+    "exploding_pattern": {"type": "string", "pattern": "^(a{1000}){1000}$"},
+}
+# Fails only once ``x`` is written: the lexer of ``y``'s pattern runs past its bounds.
+FAILS_LATER = {"type": "object", "properties": {"x": {"type": "boolean"},
+                                                "y": {"type": "string", "pattern": "^(a{1000}){1000}$"}},
+               "required": ["x", "y"], "additionalProperties": False}
+DEFS = {"type": "object", "properties": {"c": {"$ref": "#/$defs/c"}, "u": {"$ref": "#/definitions/u"}},
+        "required": ["c", "u"], "$defs": {"c": {"enum": ["x", "y"]}}, "definitions": {"u": {"type": "integer"}}}
+
+
+def _answer(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+
+
+@pytest.mark.parametrize("name", sorted(FAILING))
+async def test_a_grammar_that_fails_before_any_output_matches_is_a_400(backend: LocalBackend, name: str) -> None:
+    with pytest.raises(BackendError) as caught:
+        await backend.chat(_req(response_format=_answer(FAILING[name])))
+    assert caught.value.status_code == 400 and caught.value.code == "unsupported_schema"
+    assert caught.value.param == "response_format.json_schema.schema"
+
+
+async def test_a_grammar_failing_mid_way_ends_its_sequence_alone_with_an_error_finish(backend: LocalBackend) -> None:
+    failing, plain = await asyncio.gather(backend.chat(_req(response_format=_answer(FAILS_LATER), temperature=1.0)),
+                                          backend.chat(_req(max_tokens=12, temperature=0)))
+    choice = failing.response["choices"][0]
+    assert choice["finish_reason"] == "error" and choice["message"]["content"].startswith('{"x": ')
+    assert plain.response["choices"][0]["finish_reason"] == "length"
+    assert len(plain.extras.completion_token_ids[0]) == 12
+    stream = await backend.stream(_req(response_format=_answer(FAILS_LATER), temperature=1.0))
+    reasons = [c["finish_reason"] async for chunk in stream for c in chunk["choices"] if c["finish_reason"]]
+    assert reasons == ["error"]
+
+
+async def test_a_sequence_whose_masks_cost_too_much_ends_with_an_error_finish(
+        backend: LocalBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(grammar, "MASK_ALLOWANCE_SECONDS", 0.0)
+    monkeypatch.setattr(grammar, "MASK_SECONDS_PER_TOKEN", 0.0)
+    costly, plain = await asyncio.gather(backend.chat(_req(n=2, response_format=_answer(SCHEMA))),
+                                         backend.chat(_req(max_tokens=6, temperature=0)))
+    assert [c["finish_reason"] for c in costly.response["choices"]] == ["error", "error"]
+    # The end of turn, the only token its mask leaves a failed sequence.
+    assert [len(ids) for ids in costly.extras.completion_token_ids] == [1, 1]
+    assert {ids[0] for ids in costly.extras.completion_token_ids} <= backend.loaded.stop_token_ids
+    assert plain.response["choices"][0]["finish_reason"] == "length"
+
+
+async def test_building_a_grammar_past_its_time_bound_is_a_400(smol_tokenizer: PreTrainedTokenizerBase,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    tokens = tokenizer_for(smol_tokenizer, len(smol_tokenizer), frozenset({smol_tokenizer.eos_token_id}))
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(2000)},
+            "required": [f"p{i}" for i in range(2000)]}
+    assert await grammar.compile_grammar(lambda: tokens, 1, answer=wide, tools=None, calls="free", parallel=True)
+    monkeypatch.setattr(grammar, "COMPILE_SECONDS", 0.001)
+    with pytest.raises(BackendError) as caught:
+        await grammar.compile_grammar(lambda: tokens, 1, answer=wide, tools=None, calls="free", parallel=True)
+    assert caught.value.code == "unsupported_schema" and "took over" in caught.value.message
+
+
+@pytest.mark.parametrize(("schema", "named"), [
+    ({"type": "string", "pattern": "a" * 1001}, "a pattern of 1001 characters"),
+    ({"type": "object", "patternProperties": {"b" * 2000: {}}}, "a pattern of 2000 characters"),
+    ({"type": "array", "items": {"type": "string", "minLength": 10**9}}, "minLength 1000000000"),
+    ({"type": "array", "minItems": 200_000}, "minItems 200000"),
+])
+def test_costs_llguidance_does_not_meter_are_refused_up_front(schema: dict[str, Any], named: str) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": schema}}}}]
+    for kwargs, param in [({"answer": schema, "tools": None, "calls": "free"}, "response_format.json_schema.schema"),
+                          ({"answer": None, "calls": "required", "tools": tools}, "tools"),
+                          ({"answer": {"type": "object"}, "calls": "free", "tools": tools}, "tools")]:
+        with pytest.raises(BackendError) as caught:
+            output_grammar(parallel=True, **kwargs)
+        assert caught.value.code == "unsupported_schema" and caught.value.param == param
+        assert named in caught.value.message
+    # Data is not a schema: a long string under enum or const is no pattern.
+    assert output_grammar(answer={"enum": [{"pattern": "a" * 5000}]}, tools=None, calls="free", parallel=True)
+
+
+def test_tool_parameters_refer_to_their_own_defs_and_root(smol_tokenizer: PreTrainedTokenizerBase) -> None:
+    tokens = tokenizer_for(smol_tokenizer, len(smol_tokenizer), frozenset({smol_tokenizer.eos_token_id}))
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}
+    tools = [{"type": "function", "function": {"name": "d", "parameters": DEFS}},
+             {"type": "function", "function": {"name": "t", "parameters": tree}}]
+    compiled = output_grammar(answer=None, tools=tools, calls="required", parallel=False)
+
+    def accepted(text: str) -> bool:
+        m = matcher(tokens, compiled)
+        return all(m.consume_token(t) for t in smol_tokenizer.encode(text, add_special_tokens=False))
+
+    call = '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>'
+    assert accepted(call % ("d", '{"c": "x", "u": 3}'))
+    assert not accepted(call % ("d", '{"c": "z"'))
+    assert accepted(call % ("t", '{"kids": [{"kids": [{}]}]}'))
+    assert DEFS["properties"]["c"] == {"$ref": "#/$defs/c"}  # the request's own schema is left as it was

@@ -141,20 +141,21 @@ def test_a_hidden_entry_lives_as_long_as_an_entry_points_at_it() -> None:
     def positions(n: int) -> Any:
         return lambda start: [(torch.ones(1, 2, n - start, 4), torch.ones(1, 2, n - start, 4))]
 
+    base = (None, None)  # no tenant, no adapter
     per_token = 2 * 2 * 4 * 4  # keys and values, 2 heads x 4 dims of float32
     cache = PrefixCache(budget_bytes=100 * per_token)
     system = list(range(100, 140))
     first, second = system + [1] * 10, system + [2] * 10
-    cache.add(None, first, positions(len(first)))
-    cache.add(None, first + [3] * 10, positions(len(first) + 10))  # extends the first: it is hidden, not freed
-    cache.add(None, second, positions(len(second)))  # shares the system prompt with them
+    cache.add(base, first, positions(len(first)))
+    cache.add(base, first + [3] * 10, positions(len(first) + 10))  # extends the first: it is hidden, not freed
+    cache.add(base, second, positions(len(second)))  # shares the system prompt with them
     assert cache.stats.entries == 2 and cache.stats.bytes == (50 + 10 + 10) * per_token
-    hit = cache.longest(None, second + [9])
+    hit = cache.longest(base, second + [9])
     assert hit is not None and hit.length == 50
     [(keys, _)] = cache.gather([hit], 52, capacity=60)  # right-aligned in 52 positions, with room for 8 more
     assert keys.shape == (1, 2, 60, 4) and keys[0, :, :2].abs().sum() == 0 and keys[0, :, 2:52].min() == 1
     assert keys[0, :, 52:].abs().sum() == 0
-    cache.add(None, list(range(500, 580)), positions(80))  # over budget: the oldest go, and what they held
+    cache.add(base, list(range(500, 580)), positions(80))  # over budget: the oldest go, and what they held
     assert cache.stats.evictions == 2 and cache.stats.entries == 1 and cache.stats.bytes == 80 * per_token
     cache.forget("nobody")
     assert cache.stats.bytes == 80 * per_token

@@ -1,19 +1,19 @@
-import json
+import os
+import signal
 import sqlite3
-import subprocess
-import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from gateway.config import ToolsSettings
-from tools.builtin.sql_query import build, run_query
+from tools.builtin import sql_query
+from tools.builtin.sql_query import _Worker, build, run_query, worker_pool
+from tools.builtin.sql_worker import MIB
 from tools.context import ToolContext
 from tools.executor import execute
 from tools.spec import ToolError
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
@@ -144,40 +144,129 @@ def test_fetching_stops_at_the_byte_limit(database: str) -> None:
     assert result["truncated"] is True and result["row_count"] == MAX_BYTES // 100_008
 
 
-def test_the_tools_memory_stays_bounded(database: str) -> None:
-    # The peak is reset once the process is up (writing 5 to clear_refs resets VmHWM), so start-up and
-    # imports do not count: only what the queries add.
-    program = f"""
-import json, sys
-sys.path.insert(0, {str(ROOT)!r})
-from tools.builtin.sql_query import run_query
-from tools.spec import ToolError
-def status_mb(key):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 1024
-run_query({database!r}, "SELECT 1", timeout=5, max_rows=10, max_bytes={MAX_BYTES})
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
-idle = status_mb("VmRSS")
-peaks = []
-for sql in ("SELECT length(randomblob(900000000))",
-            "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 13000) "
-            "SELECT x, zeroblob(100000) FROM c",
-            "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 5000) "
-            "SELECT sum(length(zeroblob({MAX_BYTES}))) FROM c",
-            "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 2000) "
-            "SELECT x, randomblob({MAX_BYTES - 100}) FROM c ORDER BY random()"):
+def _peak_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")) / 1024
+
+
+ATTACKS = [
+    "SELECT length(randomblob(900000000))",
+    "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 13000) SELECT x, zeroblob(100000) FROM c",
+    f"WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 5000) "
+    f"SELECT sum(length(zeroblob({MAX_BYTES}))) FROM c",
+    f"WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 2000) "
+    f"SELECT x, randomblob({MAX_BYTES - 100}) FROM c ORDER BY random()",
+]
+# Aggregates that grow past the value limit before they check it (issue 40, finding 4), and a row of values each
+# within the limit whose copies in Python would pass the heap limit: the address-space limit stops those.
+MEMORY_ATTACKS = [
+    "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c LIMIT 100000) "
+    "SELECT length(json_group_array(hex(zeroblob(131000)))) FROM c",
+    "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c LIMIT 100000) "
+    "SELECT length(json_group_object(x, hex(zeroblob(131000)))) FROM c",
+    "SELECT " + ", ".join(["randomblob(262000)"] * 450),
+]
+
+
+def test_the_workers_memory_stays_bounded(database: str) -> None:
+    # The worker's peak is reset once it is up (writing 5 to clear_refs resets VmHWM), so only what the queries
+    # add counts. Everyday attacks stay small; the memory attacks stop at the limits.
+    max_memory = ToolsSettings().sql_max_memory_mb
+    request = {"database": database, "timeout": 5, "max_rows": 200, "max_bytes": MAX_BYTES}
+    worker = _Worker(max_memory * MIB)
     try:
-        run_query({database!r}, sql, timeout=5, max_rows=200, max_bytes={MAX_BYTES})
-    except ToolError:
-        pass
-    peaks.append(round(status_mb("VmHWM") - idle, 1))
-print(json.dumps(peaks))
-"""
-    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    peaks = json.loads(out.stdout)
-    assert max(peaks) < 50, f"the tool's peak grew above idle by {peaks} MB (after each attack)"
+        worker.ask({**request, "query": "SELECT 1"}, time.monotonic() + 10, MIB)
+        Path(f"/proc/{worker.proc.pid}/clear_refs").write_text("5")
+        idle = _peak_mb(worker.proc.pid)
+        for sql in ATTACKS:
+            worker.ask({**request, "query": sql}, time.monotonic() + 10, 64 * MIB)
+        grown = _peak_mb(worker.proc.pid) - idle
+        assert grown < 50, f"the worker's peak grew above idle by {grown:.0f} MB"
+    finally:
+        worker.close()
+    for sql in MEMORY_ATTACKS:
+        worker = _Worker(max_memory * MIB)
+        try:
+            reply = worker.ask({**request, "query": sql}, time.monotonic() + 10, MIB)
+            assert f"needs more than {max_memory} MiB" in reply["error"] and reply["recycle"] is True
+            # The address-space limit: the heap limit, the room left for Python and the worker's own size.
+            limits = Path(f"/proc/{worker.proc.pid}/limits").read_text()
+            bound = int(next(line for line in limits.splitlines() if line.startswith("Max address space")).split()[3])
+            assert bound / MIB < max_memory + 64 + 8 * MAX_BYTES / MIB + 64
+            assert _peak_mb(worker.proc.pid) <= bound / MIB, sql[:60]
+        finally:
+            worker.close()
+
+
+def test_aggregates_fail_on_the_memory_limit_at_once(database: str) -> None:
+    started = time.monotonic()
+    for sql in MEMORY_ATTACKS:
+        with pytest.raises(ToolError, match="the query needs more than 128 MiB of memory"):
+            query(database, sql)
+    assert time.monotonic() - started < 3
+    # The limit is a setting, and the tool goes on working on a fresh worker.
+    with pytest.raises(ToolError, match="the query needs more than 32 MiB of memory"):
+        run_query(database, MEMORY_ATTACKS[0], timeout=5, max_rows=10, max_bytes=MAX_BYTES, max_memory_mb=32)
+    assert query(database, "SELECT count(*) FROM t")["rows"] == [[3]]
+
+
+def test_the_memory_limit_must_leave_room_for_the_value_limit() -> None:
+    with pytest.raises(ValueError, match="sql_max_memory_mb = 128 is too small for sql_max_bytes = 100000000"):
+        ToolsSettings(sql_max_bytes=100_000_000)
+    assert ToolsSettings(sql_max_bytes=100_000_000, sql_max_memory_mb=400).sql_max_memory_mb == 400
+
+
+def test_a_killed_worker_is_replaced(database: str) -> None:
+    pool = worker_pool(1, 64 * MIB)
+    run_query(database, "SELECT 1", timeout=5, max_rows=10, max_bytes=MAX_BYTES, max_memory_mb=64, workers=1)
+    [worker] = pool._idle
+    endless = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
+    threading.Timer(0.3, worker.proc.kill).start()
+    with pytest.raises(ToolError, match=r"worker process stopped \(it was killed by signal 9\); it may have needed "
+                                        "more than 64 MiB"):
+        run_query(database, endless, timeout=5, max_rows=10, max_bytes=MAX_BYTES, max_memory_mb=64, workers=1)
+    assert run_query(database, "SELECT 2", timeout=5, max_rows=10, max_bytes=MAX_BYTES, max_memory_mb=64,
+                     workers=1)["rows"] == [[2]]
+    # A worker stopped while idle is noticed before it is given a query.
+    [worker] = pool._idle
+    worker.proc.kill()
+    worker.proc.wait()
+    assert query(database, "SELECT 3")["rows"] == [[3]]
+
+
+def test_a_stuck_worker_is_killed_at_the_deadline(database: str) -> None:
+    pool = worker_pool(1, 48 * MIB)
+    args = {"timeout": 0.2, "max_rows": 10, "max_bytes": MAX_BYTES, "max_memory_mb": 48, "workers": 1}
+    run_query(database, "SELECT 1", **args)
+    [worker] = pool._idle
+    os.kill(worker.proc.pid, signal.SIGSTOP)  # it can no longer interrupt itself
+    started = time.monotonic()
+    with pytest.raises(ToolError, match="ran longer than its limit of 0.2s"):
+        run_query(database, "SELECT 1", **args)
+    assert time.monotonic() - started < 0.2 + sql_query._GRACE + 1
+    assert worker.proc.poll() is not None and pool._idle == []
+    assert run_query(database, "SELECT 4", **args)["rows"] == [[4]]
+
+
+def test_concurrency_is_bounded(database: str) -> None:
+    args = {"max_rows": 10, "max_bytes": MAX_BYTES, "max_memory_mb": 40, "workers": 1}
+    slow = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
+    outcome: list[str] = []
+
+    def run_slow() -> None:
+        try:
+            run_query(database, slow, timeout=1.5, **args)
+        except ToolError as exc:
+            outcome.append(str(exc))
+
+    busy = threading.Thread(target=run_slow)
+    busy.start()
+    time.sleep(0.3)
+    with pytest.raises(ToolError, match=r"already running 1 queries \(\[tools\] sql_workers\)"):
+        run_query(database, "SELECT 1", timeout=0.3, **args)
+    busy.join()
+    assert outcome == ["the query ran longer than its limit of 1.5s"]
+    assert run_query(database, "SELECT 5", timeout=1, **args)["rows"] == [[5]]
 
 
 def test_runaway_query_hits_the_time_limit(database: str) -> None:
