@@ -86,7 +86,7 @@ async def loop_per_step(steps: int, recorder_kind: str) -> float:
 
 
 def guard_latency(requests: int) -> tuple[float, float]:
-    from tests.gateway.api.conftest import serve
+    from tests.gateway.api.support import serve
 
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]

@@ -35,8 +35,8 @@ from rich.table import Table  # noqa: E402
 
 from bench.sections import parser as sections_parser  # noqa: E402
 from bench.sections import run  # noqa: E402
-from tests.gateway.bot.conftest import bot_gateway  # noqa: E402
-from tests.gateway.bot.test_wecom import SendAPI, _inner, _post, _wecom  # noqa: E402
+from tests.gateway.bot.support import bot_gateway  # noqa: E402
+from tests.gateway.bot.wecom_side import SendAPI, post_as_wecom, wecom_config, wecom_message  # noqa: E402
 from tests.standin import ServerThread  # noqa: E402
 
 console = Console()
@@ -101,12 +101,12 @@ def wecom(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         api_server = stack.enter_context(ServerThread(api.app))
         gw = stack.enter_context(bot_gateway(Path(tmp), ["Reply."] * 20, delay=2.0, rate=0,
-                                             **_wecom(api_server.url)))
+                                             **wecom_config(api_server.url)))
         client = stack.enter_context(httpx.Client(timeout=30))
         for i in range(5):
             started = time.perf_counter()
-            assert _post(gw.url, _inner(f"message {i}", str(1000 + i), user=f"user{i}"), client=client
-                         ).status_code == 200
+            message = wecom_message(f"message {i}", str(1000 + i), user=f"user{i}")
+            assert post_as_wecom(gw.url, message, client=client).status_code == 200
             acks.append(time.perf_counter() - started)
         api.wait(5)
     table = Table("WeCom message, model takes 2 s", "ms")

@@ -98,8 +98,8 @@ def _mask_ms(backend: LocalBackend, rows: int, steps: int = 200) -> float:
 
 async def _episodes_child(count: int, adapter: str | None, cache_mb: int) -> dict[str, Any]:
     """One configuration's episodes, in this (fresh) process."""
-    from gateway.config import TrainingSettings
     from training.evaluate import Evaluator, spread
+    from training.settings import TrainingSettings
     from training.tasks import get_suite
 
     settings = TrainingSettings()

@@ -17,10 +17,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from gateway.config import Settings
 from replay.filters import Filters
 from training.capture import capture
 from training.data import examples_from_store
+from training.settings import HarnessSettings
 from training.sft import SFTConfig, load_base, train_sft
 
 OUT = Path(__file__).resolve().parent / "fixtures" / "tools-sft-r4"
@@ -42,15 +42,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        settings = Settings.model_validate({"store": {"path": str(Path(tmp) / "demos.db")}})
+        settings = HarnessSettings.model_validate({"store": {"path": str(Path(tmp) / "demos.db")}})
         asyncio.run(capture(settings, "tools", "train", demos=True, attempts=0))
         loaded = load_base()
         examples, _ = examples_from_store(settings.store.path, Filters(source="demo"), loaded.tokenizer,
                                           max_seq_len=1024)
         calls = [e for e in examples if "<tool_call>" in loaded.tokenizer.decode([t for t in e.labels if t != -100])]
         rows = random.Random(0).sample(calls, min(args.rows, len(calls)))
-        config = SFTConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "o_proj"], batch_size=8,
-                           learning_rate=args.lr, epochs=args.epochs, checkpoints=1)
+        config = SFTConfig.from_settings(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "o_proj"],
+                                         batch_size=8, grad_accum=1, learning_rate=args.lr, epochs=args.epochs,
+                                         checkpoints=1, gradient_checkpointing=True, rendering="hermes")
         result = train_sft(None, rows, config, Path(tmp) / "sft", loaded=loaded)
         print(f"{len(rows)} of {len(calls)} steps that call a tool; {len(result.losses)} steps in "
               f"{result.seconds:.0f} s, loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}")

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench import sections  # noqa: E402
-from gateway.backends.local_model import load_model, load_tokenizer  # noqa: E402
+from gateway.backends.local.loading import load_model, load_tokenizer  # noqa: E402
 from tests.models import tiny_llama  # noqa: E402
 from training.groups import Sample  # noqa: E402
 from training.rl import collate, token_logprobs, update  # noqa: E402
@@ -51,14 +51,14 @@ def _model_label(args: argparse.Namespace) -> str:
 
 
 def section_rollouts(args: argparse.Namespace) -> None:
-    from gateway.config import Settings
     from replay.store import TrajectoryStore
     from training.evaluate import Evaluator
     from training.rollouts import Rollouts
+    from training.settings import HarnessSettings
 
     async def rate(concurrency: int) -> tuple[float, float, int]:
         folder = Path(tempfile.mkdtemp(prefix="bench-rl-"))
-        settings = Settings.model_validate({
+        settings = HarnessSettings.model_validate({
             "store": {"path": str(folder / "harness.db")},
             "training": {"model_path": args.model_path, "eval_concurrency": concurrency,
                          "eval_max_tokens": args.max_tokens,
@@ -92,7 +92,7 @@ def section_update(args: argparse.Namespace) -> None:
     loaded = load_model(args.model_path)
     pad = loaded.tokenizer.pad_token_id or 0
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = wrap_lora(loaded.model, SFTConfig(rank=16, alpha=32)).to(device)
+    model = wrap_lora(loaded.model, SFTConfig.from_settings(rank=16, alpha=32)).to(device)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     generator = torch.Generator().manual_seed(0)
@@ -102,7 +102,7 @@ def section_update(args: argparse.Namespace) -> None:
         return torch.randint(100, vocab, (n,), generator=generator).tolist()
 
     samples = [Sample(ids(args.prompt_len), ids(args.completion_len), [0.0] * args.completion_len, seq=0,
-                      advantage=1.0 if i % 2 else -1.0) for i in range(args.samples)]
+                      temperature=1.0, advantage=1.0 if i % 2 else -1.0) for i in range(args.samples)]
     for start in range(0, len(samples), args.batch):  # the captured log-probabilities: the policy's own
         chunk = samples[start:start + args.batch]
         batch = collate(chunk, pad).to(device)

@@ -42,7 +42,7 @@ from bench import sections  # noqa: E402
 from bench.local_backend import PROMPTS  # noqa: E402
 from gateway.backends.base import ChatRequest  # noqa: E402
 from gateway.backends.local import LocalBackend  # noqa: E402
-from gateway.backends.local_model import load_tokenizer  # noqa: E402
+from gateway.backends.local.loading import load_tokenizer  # noqa: E402
 from gateway.config import BackendSettings  # noqa: E402
 from tests.models import tiny_llama  # noqa: E402
 

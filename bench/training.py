@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench import sections  # noqa: E402
-from gateway.backends.local_model import LoadedModel, load_model, load_tokenizer  # noqa: E402
+from gateway.backends.local.loading import LoadedModel, load_model, load_tokenizer  # noqa: E402
 from tests.models import tiny_llama  # noqa: E402
 from training.batches import pad_batch  # noqa: E402
 from training.data import IGNORE, Example  # noqa: E402
@@ -122,8 +122,9 @@ def section_sft(args: argparse.Namespace) -> None:
     rows = bench_rows(args.batch, args.seq_len, vocab)
     # One batch a step, every step the same shape; a checkpoint only at the end (outside the timing).
     # Without gradient checkpointing, as the bare loop: the same work (what checkpointing costs is ``memory``'s).
-    config = SFTConfig(rank=args.rank, alpha=2.0 * args.rank, batch_size=args.batch, epochs=1.0, checkpoints=1,
-                       log_every=1, learning_rate=1e-4, max_seq_len=args.seq_len, gradient_checkpointing=False)
+    config = SFTConfig.from_settings(rank=args.rank, alpha=2.0 * args.rank, batch_size=args.batch, grad_accum=1,
+                                     epochs=1.0, checkpoints=1, log_every=1, learning_rate=1e-4,
+                                     max_seq_len=args.seq_len, gradient_checkpointing=False)
     best: dict[str, Figure] = {}
     for _ in range(args.repeats):
         for run in (bare_peft_loop, sft_loop):
@@ -147,9 +148,9 @@ def _memory_run(args: argparse.Namespace, checkpointing: bool, results: Any) -> 
     import resource
 
     rows = bench_rows(args.mem_batch, args.mem_seq_len, len(load_tokenizer(args.model_path)), args.mem_labelled)
-    config = SFTConfig(rank=args.rank, alpha=2.0 * args.rank, batch_size=args.mem_batch, epochs=1.0, checkpoints=1,
-                       log_every=1, learning_rate=1e-4, max_seq_len=args.mem_seq_len,
-                       gradient_checkpointing=checkpointing)
+    config = SFTConfig.from_settings(rank=args.rank, alpha=2.0 * args.rank, batch_size=args.mem_batch, grad_accum=1,
+                                     epochs=1.0, checkpoints=1, log_every=1, learning_rate=1e-4,
+                                     max_seq_len=args.mem_seq_len, gradient_checkpointing=checkpointing)
     steps = args.warmup + args.steps
     with tempfile.TemporaryDirectory() as out:
         train_sft(args.model_path, rows * steps, config, Path(out))
@@ -193,8 +194,8 @@ def section_eval(args: argparse.Namespace) -> None:
     validation split, run one at a time and ``--concurrency`` at a time (the backend batches their calls)."""
     import asyncio
 
-    from gateway.config import TrainingSettings
     from training.evaluate import Evaluator
+    from training.settings import TrainingSettings
     from training.tasks import get_suite
 
     if args.tiny and not args.model_path:

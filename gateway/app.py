@@ -47,9 +47,7 @@ class Gateway:
         self.settings = settings
         s = settings.store
         self.metrics = Metrics(queue_depth=lambda: self.store.queue_depth)
-        self.store = TrajectoryStore(s.path, synchronous=s.synchronous, max_batch=s.max_batch,
-                                     max_queue=s.max_queue, commit_delay_ms=s.commit_delay_ms,
-                                     on_commit=self.metrics.observe_commit, cache_entries=s.cache_entries)
+        self.store = TrajectoryStore(s.path, s, on_commit=self.metrics.observe_commit)
         self.auth = Authenticator(self.store, settings.server.admin_key, loopback=is_loopback(settings.server.host),
                                   cache_seconds=settings.server.auth_cache_seconds)
         self.backends: list[Backend] = [build_backend(b) for b in settings.backends]

@@ -1,17 +1,28 @@
-"""One settings object: a TOML file plus ``HARNESS_<SECTION>__<KEY>`` environment overrides.
+"""The gateway's settings sections, and how settings are loaded: defaults, under a TOML file, under
+``HARNESS_<SECTION>__<KEY>`` environment variables, under command-line flags (pydantic-settings' sources).
 
 This is the only module that reads the environment. Everything else receives a ``Settings``.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, get_args, get_origin
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+    TomlConfigSettingsSource,
+)
 
 from gateway.prompting import DEFAULT_RENDERING, Rendering
 from replay.settings import RewardSettings, StoreSettings
@@ -55,15 +66,20 @@ class ServerSettings(Section):
 
 
 class BackendSettings(Section):
-    name: str
-    kind: Literal["openai", "sglang", "vllm", "local"] = "openai"
-    base_url: str | None = None
-    api_key_env: str | None = None
-    models: list[str] = Field(default_factory=list, description="Base model names this backend serves.")
-    connect_timeout: float = Field(5.0, gt=0)
-    read_timeout: float = Field(120.0, gt=0)
+    name: str = Field(description="Unique name, shown in logs and owned_by.")
+    kind: Literal["openai", "sglang", "vllm", "local"] = Field(
+        "openai", description="openai (any OpenAI-compatible upstream), sglang, vllm, or local (the embedded "
+        "model); sglang, vllm and local load LoRA adapters at runtime.")
+    base_url: str | None = Field(None, description="The upstream's OpenAI base URL, e.g. "
+                                 "http://127.0.0.1:30000/v1; required unless local.")
+    api_key_env: str | None = Field(None, description="Variable holding the upstream's API key.")
+    models: list[str] = Field(default_factory=list, description="Base model names this backend serves (local: "
+                              "default the embedded model's).")
+    connect_timeout: float = Field(5.0, gt=0, description="Seconds to establish a connection.")
+    read_timeout: float = Field(120.0, gt=0, description="Seconds to wait for the upstream's next bytes; past it "
+                                "the client gets a 504 (or a stream's error event).")
     max_retries: int = Field(2, ge=0, description="Retries on connection errors, 429 and 5xx.")
-    max_connections: int = Field(256, gt=0)
+    max_connections: int = Field(256, gt=0, description="Connection pool size.")
     max_response_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest upstream response (a stream's "
                                     "events together); past it the exchange ends with a 502, recorded as an error.")
     # local kind
@@ -101,9 +117,9 @@ class BackendSettings(Section):
 class ProfileSettings(Section):
     """An agent profile: ``model = "agent:<name>"`` runs this agent to completion on the server."""
 
-    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$", description="Unique name; clients ask for agent:<name>.")
     model: str = Field(description="The base model (or base:adapter) the agent thinks with.")
-    system_prompt: str = ""
+    system_prompt: str = Field("", description="The agent's system prompt.")
     tools: list[str] = Field(default_factory=list, description="Tool names this agent may call.")
     max_steps: int = Field(10, ge=0, description="Model calls per run (0: no limit).")
     max_total_tokens: int = Field(0, ge=0, description="Prompt plus completion tokens per run (0: no limit).")
@@ -113,7 +129,8 @@ class ProfileSettings(Section):
     max_repeats: int = Field(3, ge=0, description="Identical calls (not back to back) allowed per run.")
     context_budget_tokens: int = Field(0, ge=0, description="Summarize older turns past this many tokens (0: never).")
     keep_last_turns: int = Field(2, ge=0, description="Turns kept verbatim when summarizing.")
-    temperature: float | None = Field(None, ge=0, le=2)
+    temperature: float | None = Field(None, ge=0, le=2, description="Sampling temperature of the agent's model "
+                                      "calls (default the backend's).")
     max_tokens: int | None = Field(None, ge=1, description="Per model call.")
     constrain_tool_calls: bool = Field(False, description="Once the model opens a <tool_call>, hold it to a call of "
                                        "one of the offered tools with valid arguments (the embedded model only).")
@@ -147,149 +164,6 @@ class RoutingSettings(Section):
             if alias.startswith("agent:"):
                 raise ValueError(f"alias {alias!r}: the 'agent:' prefix names agent profiles")
         return self
-
-
-class GateSettings(Section):
-    """Whether a candidate replaces the reference (the active adapter, else the base): both are evaluated on the
-    same gate tasks, drawn with a fixed seed from the suite's test templates, and compared by one-sided bounds."""
-
-    tasks: int = Field(100, gt=0, description="Gate tasks drawn from the test templates (at least 100, or at "
-                       "least 40 with 3 samples each).")
-    samples: int = Field(1, gt=0, description="Episodes per gate task and model (above 1: sampled at "
-                         "``temperature``; a task's success is then the share of its samples that succeeded).")
-    temperature: float = Field(0.7, gt=0, le=2, description="Sampling temperature when ``samples`` is above 1 "
-                               "(one sample is greedy).")
-    seed: int = Field(0, description="Seed of the gate tasks' draw and of the bootstrap.")
-    confidence: float = Field(0.95, gt=0.5, lt=1, description="Confidence of each one-sided bound.")
-    resamples: int = Field(10_000, ge=1000, description="Bootstrap resamples of the paired tasks.")
-    min_faulted: int = Field(20, gt=0, description="Gate tasks with an injected tool fault the draw includes at "
-                             "least; recovery is judged on them pooled.")
-    invalid_call_rate: float = Field(0.05, ge=0, description="Largest rise in the invalid tool-call rate the "
-                                     "upper bound may show.")
-    general_perplexity: float = Field(0.05, ge=0, description="Largest relative rise in perplexity on held-out "
-                                      "general data the upper bound may show (0.05 = 5%).")
-    recovery_rate: float = Field(0.1, ge=0, description="Largest drop in success after a tool fault the lower "
-                                 "bound may show.")
-    mean_steps: float = Field(1.0, ge=0, description="Largest rise in steps beyond the solver's, on tasks both "
-                              "solved, the upper bound may show.")
-
-    @model_validator(mode="after")
-    def _enough_tasks(self) -> GateSettings:
-        if self.tasks < 100 and not (self.tasks >= 40 and self.samples >= 3):
-            raise ValueError(f"the gate needs at least 100 tasks, or at least 40 tasks with 3 samples each "
-                             f"(got {self.tasks} tasks x {self.samples} samples): fewer cannot tell a real "
-                             "improvement from noise")
-        return self
-
-
-class ExpertSettings(Section):
-    """Expert iteration after SFT (``replay-train --mode sft|sft+rl``): the model's own verified, clean episodes on
-    the train tasks it fails greedily, trained on, round after round."""
-
-    rounds: int = Field(0, ge=0, description="Rounds after SFT (0: none).")
-    tasks: int = Field(64, gt=0, description="Train tasks each round screens with one greedy episode (in turn "
-                       "through the split).")
-    samples: int = Field(4, gt=0, description="Episodes per screened task the greedy episode failed, sampled at "
-                         "``temperature``.")
-    temperature: float = Field(0.7, gt=0, le=2, description="Sampling temperature of the episodes.")
-    epochs: float = Field(2.0, gt=0, description="Passes over a round's rows: its kept episodes, the replayed "
-                          "demonstrations and general rows at ``general_share``.")
-    learning_rate: float = Field(2e-4, gt=0, description="Learning rate of a round's training, which starts from a "
-                                 "trained adapter: SFT's own rate undid it.")
-    replay: float = Field(3.0, ge=0, description="Rows of SFT's demonstrations mixed into a round per kept "
-                          "episode's row, so a round adds to what SFT taught instead of training over it.")
-
-
-class RLSettings(Section):
-    """Group-relative RL on LoRA (``replay-train --mode rl|sft+rl``): rollouts, the update, validation."""
-
-    algorithm: Literal["grpo", "rloo"] = Field("rloo", description="How a group's rewards become advantages: "
-                                               "rloo (reward minus the mean of the others: unscaled) or grpo "
-                                               "(scaled by the group's std, so a tiny spread among failures "
-                                               "weighs as much as success against failure).")
-    outcome: Literal["success", "total"] = Field("success", description="A trajectory's outcome reward: its "
-                                                 "verified task success where known (else the reward total), or "
-                                                 "the reward engine's total (validity and efficiency included).")
-    steps: int = Field(20, ge=0, description="Online steps: each rolls out a batch of groups and updates on it "
-                       "(0: only the captured groups the filters select).")
-    tasks_per_step: int = Field(8, gt=0, description="Tasks (groups) per step, chosen of similar difficulty.")
-    group_size: int = Field(8, ge=2, description="Rollouts per task in a group.")
-    temperature: float = Field(1.0, gt=0, le=2, description="Sampling temperature of the rollouts.")
-    fault_rate: float = Field(0.2, ge=0, le=1, description="Share of groups whose tools get an injected fault "
-                              "(timeout, empty result or error) on their first call, so recovery is practised.")
-    learning_rate: float = Field(5e-5, gt=0, description="Learning rate of the RL updates (constant).")
-    batch_size: int = Field(4, gt=0, description="Model calls per micro-batch; a step's calls all make one update.")
-    updates_per_batch: int = Field(1, gt=0, description="Optimizer steps on each batch of rollouts; beyond the "
-                                   "first the clipped importance ratio keeps the policy near the rollouts'.")
-    clip: float = Field(0.2, gt=0, lt=1, description="Importance ratios are clipped to [1 - clip, 1 + clip].")
-    kl_coef: float = Field(0.04, ge=0, description="Weight of the KL penalty to the policy RL starts from (frozen; "
-                           "the base when it starts from a fresh adapter).")
-    process_coef: float = Field(0.0, ge=0, description="Weight of each step's own process reward (normalised "
-                                "within the group) beside the trajectory's advantage; 0: validity guards (the "
-                                "reward-hacking alarm), it is not a reward to farm.")
-    eval_every: int = Field(5, gt=0, description="Steps between validations (each saves a checkpoint).")
-    validation_tasks: int = Field(0, ge=0, description="Validation tasks per validation, spread over the split "
-                                  "(0: all of it).")
-    rollback_margin: float = Field(0.05, ge=0, description="A validation success or valid-call rate this far "
-                                   "below the best checkpoint's rolls the adapter back to it.")
-    max_rollbacks: int = Field(3, ge=0, description="Rollbacks before the run stops.")
-    alarm_reward_rise: float = Field(0.05, ge=0, description="Reward-hacking alarm: a rise in mean training "
-                                     "reward since the last validation of more than this ...")
-    alarm_drop: float = Field(0.05, ge=0, description="... while validation valid-call rate or success fell "
-                              "by more than this stops the run.")
-
-
-class TrainingSettings(Section):
-    base_model: str = Field(DEFAULT_MODEL_NAME, description="The served base model adapters are trained for.")
-    model_path: str | None = Field(None, description="Weights to train on: a GGUF or checkpoint folder; default "
-                                   "the embedded model.")
-    output_dir: str = Field("runs", description="Where training runs write checkpoints, metrics and plots.")
-    tasks_dir: str = Field("~/.cache/agent-harness/tasks", description="Where task suites keep the fixture "
-                           "databases their tools read (made on first use).")
-    rank: int = Field(16, gt=0, description="LoRA rank.")
-    alpha: float = Field(32.0, gt=0, description="LoRA alpha (scale = alpha / rank).")
-    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        description="Modules LoRA adapts.")
-    learning_rate: float = Field(2e-3, gt=0, description="Peak learning rate (linear warm-up, then cosine decay).")
-    epochs: float = Field(1.0, gt=0, description="Passes over the training rows.")
-    batch_size: int = Field(4, gt=0, description="Rows per micro-batch.")
-    grad_accum: int = Field(2, gt=0, description="Micro-batches per optimizer step.")
-    gradient_checkpointing: bool = Field(False, description="Recompute each layer's activations during the backward "
-                                         "pass instead of keeping them: a fraction of the memory for about a third "
-                                         "more compute, and no prompt shared across a batch (SFT and RL).")
-    max_seq_len: int = Field(1024, gt=0, description="Rows longer than this are cut from the left of the prompt.")
-    map_large_allocations: bool = Field(False, description="Have glibc map every allocation of 1 MiB or more "
-                                        "while training and evaluating ([[backends]] map_large_allocations): "
-                                        "peak RSS falls (4 rows of 512 tokens: 7.7 GB to 4.6 GB) but a CPU "
-                                        "training step takes about a third longer, from the page faults.")
-    tool_rendering: Rendering = Field("compact", description="How tool specs are written into training "
-                                      "prompts ('hermes' or 'compact', as [[backends]] tool_rendering); recorded "
-                                      "in each adapter folder (rendering.json), which is served the same way.")
-    checkpoints: int = Field(1, gt=0, description="Checkpoints saved per run, evenly spaced; validation picks one "
-                             "when there are several.")
-    seed: int = Field(0, description="Seed for shuffling, mixing and initialisation.")
-    min_recovered_share: float = Field(0.2, ge=0, le=1, description="Least share of rows from trajectories that "
-                                       "recovered after a failed tool call (repeated to reach it).")
-    general_share: float = Field(0.1, ge=0, lt=1, description="Share of rows from general data, against forgetting.")
-    general_data: str | None = Field(None, description="A JSONL file of chat conversations for the general rows "
-                                     "and check; default the base model's own answers to prompts shipped "
-                                     "with the project.")
-    suite: str = Field("tools", description="The task suite replay-train evaluates and gates on.")
-    eval_concurrency: int = Field(8, gt=0, description="Episodes run at once during evaluation.")
-    eval_max_tokens: int = Field(160, gt=0, description="Most tokens the model may write per step in an evaluation "
-                                 "episode.")
-    episode_timeout_seconds: float = Field(600.0, ge=0, description="Wall-clock limit of one episode (evaluation, "
-                                           "gate, capture's attempts, expert iteration, RL rollouts): past it the "
-                                           "episode is cancelled and counts as a failure (0: none).")
-    constrain_tool_calls: bool = Field(True, description="Hold every tool call the model opens in an episode "
-                                       "(evaluation, gate, expert iteration, RL rollouts) to a call of an offered "
-                                       "tool with valid arguments, as a [[profiles]] constrain_tool_calls does "
-                                       "when serving.")
-    gate: GateSettings = Field(default_factory=GateSettings)
-    expert: ExpertSettings = Field(default_factory=ExpertSettings)
-    rl: RLSettings = Field(default_factory=RLSettings)
 
 
 class WeComSettings(Section):
@@ -334,12 +208,19 @@ class BotSettings(Section):
     callback_backoff_seconds: float = Field(1.0, gt=0, description="Wait before the second try; doubles each "
                                             "time.")
     callback_timeout_seconds: float = Field(10.0, gt=0, description="Seconds one callback request may take.")
-    wecom: WeComSettings = Field(default_factory=WeComSettings)
+    wecom: WeComSettings = Field(default_factory=WeComSettings, description="[bot.wecom]: the WeCom adapter, "
+                                 "below.")
     # Filled from secret_env at load time.
     secret: str | None = Field(None, exclude=True)
 
 
-class Settings(Section):
+class Settings(BaseSettings):
+    """The gateway's sections; ``training/settings.py`` adds ``[training]`` on top. Built in code it holds what it is
+    given and reads nothing: ``load_settings`` gathers the file, the environment and flags, so that each value's
+    source can be told (``harness config show``)."""
+
+    model_config = SettingsConfigDict(extra="forbid", env_prefix=ENV_PREFIX, env_nested_delimiter="__")
+
     server: ServerSettings = Field(default_factory=ServerSettings)
     store: StoreSettings = Field(default_factory=StoreSettings)
     backends: list[BackendSettings] = Field(default_factory=list)
@@ -347,8 +228,12 @@ class Settings(Section):
     profiles: list[ProfileSettings] = Field(default_factory=list)
     rewards: RewardSettings = Field(default_factory=RewardSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
-    training: TrainingSettings = Field(default_factory=TrainingSettings)
     bot: BotSettings = Field(default_factory=BotSettings)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   **_: PydanticBaseSettingsSource) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
 
     @model_validator(mode="after")
     def _default_backend(self) -> Settings:
@@ -374,64 +259,179 @@ class Settings(Section):
         return self
 
 
-def _parse_env_value(raw: str) -> Any:
-    """Read an override as a TOML value where it is one (numbers, booleans, arrays), else a string."""
-    try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw
+# Precedence, highest first; a key none of them sets keeps its default.
+SOURCES = ("flag", "environment", "file")
+DEFAULT = "default"
+S = TypeVar("S", bound=Settings)
 
 
-def _apply_override(data: dict[str, Any], path: list[str], value: Any) -> None:
-    node: Any = data
-    for i, part in enumerate(path):
-        last = i == len(path) - 1
-        if isinstance(node, list):
-            if not part.isdigit():
-                raise ConfigError(f"{'.'.join(path)}: {part!r} is not a list index")
-            idx = int(part)
-            while len(node) <= idx:
-                node.append({})
-            if last:
-                node[idx] = value
+class _Environment(EnvSettingsSource):
+    """The library's environment source (``HARNESS_SECTION__KEY``, JSON for lists and tables), over a mapping the
+    caller passes instead of ``os.environ`` itself, so that tests and ``harness config check`` choose theirs."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return {key.lower(): value for key, value in self._environ.items()}
+
+
+def _merge(low: Any, high: Any) -> Any:
+    """``high`` over ``low``, tables key by key. The environment source nests by name, so a list entry's override
+    (``HARNESS_BACKENDS__0__READ_TIMEOUT``) arrives as a table keyed "0"; it is applied to that entry of the list
+    below it. The library merges tables but not list entries, hence this much of our own."""
+    if isinstance(low, list) and _indexed(high):
+        merged = list(low)
+        for key, value in sorted(high.items(), key=lambda kv: int(kv[0])):
+            while len(merged) <= int(key):
+                merged.append({})
+            merged[int(key)] = _merge(merged[int(key)], value)
+        return merged
+    if isinstance(low, dict) and isinstance(high, dict):
+        # An entry by index with no list below it starts one, as it would have in the file.
+        return {**low, **{k: _merge(low.get(k, [] if _indexed(v) else {}), v) for k, v in high.items()}}
+    return high
+
+
+def _indexed(value: Any) -> bool:
+    return isinstance(value, dict) and bool(value) and all(k.isdigit() for k in value)
+
+
+def source_of(layers: Mapping[str, Any], path: tuple[str | int, ...]) -> str:
+    """Which source set the value at ``path`` ("flag", "environment", "file" or "default"). A list a source gives
+    whole replaces the lists below it, so a key its entries leave out is a default, not a lower source's."""
+    for name in SOURCES:
+        node, through_list = layers.get(name, {}), False
+        for part in path:
+            if isinstance(node, list) and isinstance(part, int) and part < len(node):
+                node, through_list = node[part], True
+            elif isinstance(node, dict) and str(part) in node:
+                node = node[str(part)]
             else:
-                node = node[idx]
-            continue
-        if last:
-            node[part] = value
+                node = None
+                break
         else:
-            nxt = node.get(part)
-            if nxt is None:
-                nxt = [] if part in ("backends", "profiles", "canaries") else {}
-                node[part] = nxt
-            node = nxt
+            return name
+        if through_list:
+            return DEFAULT
+    return DEFAULT
 
 
-def load_settings(path: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
-    """Load the TOML file (``path``, else ``HARNESS_CONFIG``, else none) and apply environment overrides."""
+def _problems(exc: ValidationError) -> list[str]:
+    """One line per mistake, by its dotted path (``backends.0.read_timeout``)."""
+    return [f"{'.'.join(str(x) for x in err['loc']) or '(top)'}: "
+            f"{'unknown key' if err['type'] == 'extra_forbidden' else err['msg'].removeprefix('Value error, ')}"
+            for err in exc.errors()]
+
+
+def read_sources(path: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None, *,
+                 flags: Mapping[str, Any] | None = None, model: type[Settings] = Settings) -> dict[str, Any]:
+    """Each source's own values, unvalidated: ``{"flag": ..., "environment": ..., "file": ...}``. The file is
+    ``path``, else ``HARNESS_CONFIG``, else none."""
     env = os.environ if environ is None else environ
     path = path or env.get("HARNESS_CONFIG")
-    data: dict[str, Any] = {}
+    file: dict[str, Any] = {}
     if path:
         p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
         try:
-            data = tomllib.loads(p.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {p}") from None
+            file = TomlConfigSettingsSource(model, toml_file=p)()
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{p}: invalid TOML: {exc}") from None
-    for key, raw in env.items():
-        if not key.startswith(ENV_PREFIX) or "__" not in key:
-            continue
-        parts = [p.lower() for p in key[len(ENV_PREFIX):].split("__")]
-        _apply_override(data, parts, _parse_env_value(raw))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{p}: cannot be read: {exc}") from None
+    # The library skips variables that name no field; a misspelt section must not pass silently.
+    unknown = sorted(f"{key}: no section {key[len(ENV_PREFIX):].split('__')[0].lower()!r}" for key in env
+                     if key.upper().startswith(ENV_PREFIX) and "__" in key
+                     and key[len(ENV_PREFIX):].split("__")[0].lower() not in model.model_fields)
+    if unknown:
+        raise ConfigError(f"invalid configuration: {'; '.join(unknown)}", unknown)
     try:
-        settings = Settings.model_validate(data)
+        environment = _Environment(model, env)()
+    except SettingsError as exc:  # a list or table that is not JSON; the library names only its section
+        section = re.search(r'field "(\w+)"', str(exc))
+        prefix = ENV_PREFIX + (section[1].upper() if section else "")
+        names = sorted(k for k in env if k.upper().startswith(prefix) and not _is_json(env[k])
+                       and _is_structured(model, k[len(ENV_PREFIX):].lower().split("__"))) or [prefix]
+        problems = [f"{name}: not valid JSON (lists and tables in the environment are JSON)" for name in names]
+        raise ConfigError(f"invalid configuration: {'; '.join(problems)}", problems) from None
+    return {"flag": dict(flags or {}), "environment": _decode_entries(model, environment), "file": file,
+            "path": str(path) if path else None}
+
+
+def _child(annotation: Any, part: str) -> Any:
+    """The type of ``part`` below ``annotation``: a model's field or a list's entry; None when it has none."""
+    if get_origin(annotation) is list and part.isdigit():
+        return get_args(annotation)[0]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel) and part in annotation.model_fields:
+        return annotation.model_fields[part].annotation
+    return None
+
+
+def _structured(annotation: Any) -> bool:
+    return get_origin(annotation) in (list, dict) or (isinstance(annotation, type) and issubclass(annotation,
+                                                                                                 BaseModel))
+
+
+def _is_structured(model: type[BaseModel], parts: list[str]) -> bool:
+    """Whether the key a variable names holds a list or a table (which the environment gives as JSON)."""
+    annotation: Any = model
+    for part in parts:
+        annotation = _child(annotation, part)
+    return _structured(annotation)
+
+
+def _decode_entries(annotation: Any, value: Any, path: str = "") -> Any:
+    """JSON-decode lists and tables inside list entries (``HARNESS_BACKENDS__0__MODELS='["m"]'``), which the
+    library leaves as text: it decodes by the field a variable names, and an entry by index names none."""
+    if isinstance(value, dict):
+        return {k: _decode_entries(_child(annotation, k), v, f"{path}__{k.upper()}" if path else ENV_PREFIX + k.upper())
+                for k, v in value.items()}
+    if isinstance(value, str) and _structured(annotation):
+        try:
+            return json.loads(value)
+        except ValueError:
+            raise ConfigError(f"{path}: not valid JSON (lists and tables in the environment are JSON)") from None
+    return value
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def load_with_sources(path: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None, *,
+                      flags: Mapping[str, Any] | None = None,
+                      model: type[S] = Settings) -> tuple[S, dict[str, Any]]:  # type: ignore[assignment]
+    """The settings, and each source's own values (for ``source_of``); secrets filled from their variables."""
+    env = os.environ if environ is None else environ
+    layers = read_sources(path, env, flags=flags, model=model)
+    data: Any = {}
+    for name in reversed(SOURCES):
+        data = _merge(data, layers[name])
+    try:
+        settings = model.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(x) for x in err['loc']) or '(top)'}: {err['msg']}" for err in exc.errors()
-        )
-        raise ConfigError(f"invalid configuration: {problems}") from None
+        problems = _problems(exc)
+        raise ConfigError(f"invalid configuration: {'; '.join(problems)}", problems) from None
+    _fill_secrets(settings, env)
+    return settings, layers
+
+
+def load_settings(path: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None, *,
+                  flags: Mapping[str, Any] | None = None, model: type[S] = Settings) -> S:  # type: ignore[assignment]
+    """Defaults, under the TOML file (``path``, else ``HARNESS_CONFIG``, else none), under the environment
+    (``HARNESS_SECTION__KEY``), under command-line ``flags`` (a table shaped like the file)."""
+    return load_with_sources(path, environ, flags=flags, model=model)[0]
+
+
+def _fill_secrets(settings: Settings, env: Mapping[str, str]) -> None:
+    # Secrets never sit in the file or in a dump: each *_env key names the variable that holds one.
     settings.server.admin_key = env.get(settings.server.admin_key_env) or None
     settings.bot.secret = env.get(settings.bot.secret_env) or None
     wecom = settings.bot.wecom
@@ -440,4 +440,3 @@ def load_settings(path: str | os.PathLike[str] | None = None, environ: Mapping[s
     for backend in settings.backends:
         if backend.api_key_env:
             backend.api_key = env.get(backend.api_key_env) or None
-    return settings

@@ -9,7 +9,7 @@ The pipeline, in order:
    (the admin key, keys created with ``--allow-model-override``, and an open gateway);
 4. canary: a configured share of a model's traffic goes to a target (usually a candidate version),
    decided by a hash of the session, so a session stays on one version for its whole life;
-5. resolve: a configured base name, matched exactly first (names may contain ``:``); otherwise
+5. target: a configured base name, matched exactly first (names may contain ``:``); otherwise
    ``base:adapter[@version]`` split at a ``:`` whose left side is a base. Without ``@version`` the
    adapter's active version is used.
 
@@ -101,18 +101,18 @@ class Router(Generic[B]):
             name = self._alias(header)
         return name
 
-    def resolve(self, name: str, sticky: str | None = None) -> Target[B]:
+    def target_for(self, name: str, sticky: str | None = None) -> Target[B]:
         """Steps 4-5: the canary split, then the backend and adapter version."""
         canary = self._canaries.get(name)
         if canary is not None and canary.share > 0:
             draw = bucket(f"{canary.model}|{sticky}") if sticky else random.random()
             if draw < canary.share:
-                return self._resolve(self._alias(canary.target), canary=True)
-        return self._resolve(name)
+                return self._lookup(self._alias(canary.target), canary=True)
+        return self._lookup(name)
 
     def route(self, name: str, sticky: str | None = None) -> Target[B]:
         """Steps 4-5, with an adapter target's backend leased: where a request with this model name goes."""
-        target = self.resolve(name, sticky)
+        target = self.target_for(name, sticky)
         if target.adapter is None or self._lease is None:
             return target
         return Target(target.model, target.base, self._lease(target), target.adapter, target.canary)
@@ -122,14 +122,14 @@ class Router(Generic[B]):
         out = []
         for canary in self.settings.canaries:
             try:
-                target = self._resolve(self._alias(canary.target))
+                target = self._lookup(self._alias(canary.target))
             except APIError:
                 continue  # not registered yet; requests for it fail with a clear 404 meanwhile
             if target.adapter is not None:
                 out.append(target.adapter)
         return out
 
-    def _resolve(self, name: str, *, canary: bool = False) -> Target[B]:
+    def _lookup(self, name: str, *, canary: bool = False) -> Target[B]:
         backend = self.bases.get(name)
         if backend is not None:
             return Target(name, name, backend, canary=canary)

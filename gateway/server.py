@@ -38,11 +38,12 @@ class BoundedHttpTools(HttpToolsProtocol):
     """``HttpToolsProtocol`` with limits on request heads, bodies and connections per address; ``bounded_protocol``
     sets them."""
 
-    max_head_bytes = 65_536
-    max_headers = 100
-    head_timeout = 10.0
-    body_timeout = 60.0
-    max_connections_per_client = 1024
+    # The limits, set by ``bounded_protocol`` from ``[server]`` (their defaults live there alone).
+    max_head_bytes: int
+    max_headers: int
+    head_timeout: float
+    body_timeout: float
+    max_connections_per_client: int
     # Connections open now per client address. Every connection of one server shares it (``bounded_protocol``
     # gives each server class its own); only the event loop's thread touches it.
     _open_per_client: ClassVar[dict[str, int]] = {}
@@ -241,8 +242,8 @@ class BoundedHttpTools(HttpToolsProtocol):
         self.transport.close()
 
 
-def bounded_protocol(*, max_head_bytes: int, max_headers: int, head_timeout: float, body_timeout: float = 60.0,
-                     max_connections_per_client: int = 1024) -> type[BoundedHttpTools]:
+def bounded_protocol(*, max_head_bytes: int, max_headers: int, head_timeout: float, body_timeout: float,
+                     max_connections_per_client: int) -> type[BoundedHttpTools]:
     """A protocol class for ``uvicorn.run(http=...)`` with these limits (uvicorn makes one per connection)."""
     limits: dict[str, Any] = {"max_head_bytes": max_head_bytes, "max_headers": max_headers,
                               "head_timeout": head_timeout, "body_timeout": body_timeout,

@@ -12,16 +12,25 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from extras import MissingExtra
 from gateway.auth import hash_secret, is_loopback, new_secret
 from gateway.config import ConfigError
 from harness.adapters import app as adapters_app
 from harness.approvals import app as approvals_app
+from harness.config import app as config_app
 from harness.replay import app as replay_app
-from harness.support import ConfigOption, format_time, settings_or_exit, with_store
+from harness.support import (
+    ConfigOption,
+    HostOption,
+    PortOption,
+    format_time,
+    server_flags,
+    settings_or_exit,
+    with_store,
+)
 from harness.training import register as register_training_commands
 from replay import keys
 from replay.model import Trajectory
-from tools.extras import MissingExtra
 
 T = TypeVar("T")
 
@@ -35,14 +44,13 @@ app.add_typer(replay_app, name="replay")
 app.add_typer(adapters_app, name="adapters")
 app.add_typer(approvals_app, name="approvals")
 register_training_commands(app)
+app.add_typer(config_app, name="config")
 
 console = Console()
 
 
 @app.command()
-def serve(config: str | None = ConfigOption,
-          host: str | None = typer.Option(None, help="Override [server] host."),
-          port: int | None = typer.Option(None, help="Override [server] port.")) -> None:
+def serve(config: str | None = ConfigOption, host: str | None = HostOption, port: int | None = PortOption) -> None:
     """Start the gateway."""
     import uvicorn
 
@@ -50,11 +58,7 @@ def serve(config: str | None = ConfigOption,
     from gateway.logging import configure_logging
     from gateway.server import bounded_protocol
 
-    settings = settings_or_exit(config)
-    if host is not None:
-        settings.server.host = host
-    if port is not None:
-        settings.server.port = port
+    settings = settings_or_exit(config, server_flags(host, port))
     configure_logging(settings.server.log_format, settings.server.log_level)
     if not is_loopback(settings.server.host):
         if not with_store(settings, keys.ever_created):
@@ -86,7 +90,7 @@ def run_agent(profile: str = typer.Argument(..., help="An agent profile from the
               config: str | None = ConfigOption,
               as_json: bool = typer.Option(False, "--json", help="Print the final state as JSON.")) -> None:
     """Run an agent profile to completion here, printing each step as it happens."""
-    from gateway.agent.loop import EXECUTE, FINAL, OBSERVE, TERMINATED, Event
+    from gateway.agent.loop import EXECUTE, FINAL, OBSERVE, TERMINATED, StepEvent
     from gateway.app import Gateway
     from gateway.auth import Principal
     from gateway.errors import APIError
@@ -95,7 +99,7 @@ def run_agent(profile: str = typer.Argument(..., help="An agent profile from the
     settings = settings_or_exit(config)
     configure_logging("console", "warning")
 
-    def show(event: Event) -> None:
+    def show(event: StepEvent) -> None:
         if event.state == EXECUTE:
             for c in event.data.get("calls", []):
                 args = orjson.dumps(c["arguments"]).decode()

@@ -58,7 +58,7 @@ def rewards(filters: Filters, config: str | None = ConfigOption, store: str | No
     limits = step_limits(settings.profiles)
 
     async def main() -> RewardSummary:
-        trajectories = TrajectoryStore(path, synchronous=settings.store.synchronous)
+        trajectories = TrajectoryStore(path, settings.store)
         await trajectories.start()  # migrates an older store; refuses a newer one
         try:
             with Progress(TextColumn("scoring"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),

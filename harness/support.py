@@ -11,12 +11,15 @@ import httpx
 import typer
 from rich.console import Console
 
-from gateway.config import ConfigError, Settings, load_settings
+from gateway.config import ConfigError, load_settings
 from replay.store import TrajectoryStore
+from training.settings import HarnessSettings
 
 T = TypeVar("T")
 
 ConfigOption = typer.Option(None, "--config", "-c", help="TOML config file (default: $HARNESS_CONFIG).")
+HostOption = typer.Option(None, "--host", help="Override [server] host.")
+PortOption = typer.Option(None, "--port", help="Override [server] port.")
 GatewayOption = typer.Option(None, "--gateway", help="Act on a running gateway at this URL instead of the store.")
 JsonOption = typer.Option(False, "--json", help="Machine-readable output.")
 
@@ -34,9 +37,16 @@ def format_time(ts: float | None) -> str:
     return datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%d %H:%M:%S") if ts else ""
 
 
-def settings_or_exit(config: str | None) -> Settings:
+def server_flags(host: str | None = None, port: int | None = None) -> dict[str, Any]:
+    """The command-line flags that override ``[server]``, shaped like the file: the highest source."""
+    server = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+    return {"server": server} if server else {}
+
+
+def settings_or_exit(config: str | None, flags: dict[str, Any] | None = None) -> HarnessSettings:
+    """The whole configuration (every section, ``[training]`` included: one file serves every command)."""
     try:
-        return load_settings(config)
+        return load_settings(config, flags=flags, model=HarnessSettings)
     except ConfigError as exc:
         fail(str(exc), 2)
 
@@ -63,11 +73,11 @@ def call_gateway(url: str, config: str | None, method: str, path: str, *, header
     return body
 
 
-def with_store(settings: Settings, fn: Callable[[TrajectoryStore], Awaitable[T]]) -> T:
+def with_store(settings: HarnessSettings, fn: Callable[[TrajectoryStore], Awaitable[T]]) -> T:
     """Run ``fn`` on the configured store, opened for it and closed after."""
 
     async def run() -> T:
-        store = TrajectoryStore(settings.store.path, synchronous=settings.store.synchronous)
+        store = TrajectoryStore(settings.store.path, settings.store)
         await store.start()
         try:
             return await fn(store)

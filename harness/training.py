@@ -15,13 +15,13 @@ import orjson
 import typer
 from rich.console import Console
 
-from gateway.config import Settings
+from extras import require_extra
 from gateway.logging import configure_logging
 from harness.replay import with_filters
 from harness.support import ConfigOption, fail, settings_or_exit
 from replay.adapters import AdapterRegistry, RegistryError, parse_ref
 from replay.filters import Filters
-from tools.extras import require_extra
+from training.settings import HarnessSettings
 
 if TYPE_CHECKING:
     from training.evaluate import Report
@@ -37,7 +37,7 @@ OutOption = typer.Option(None, "--out", help="Folder for eval.json and eval.png 
                          "output_dir).")
 
 
-def _suite(settings: Settings, suite: str | None) -> str:
+def _suite(settings: HarnessSettings, suite: str | None) -> str:
     from training.tasks import SUITES
 
     name = suite or settings.training.suite
@@ -52,7 +52,7 @@ def _split(split: str) -> str:
     return split
 
 
-def adapter_folder(settings: Settings, model: str) -> str | None:
+def adapter_folder(settings: HarnessSettings, model: str) -> str | None:
     """``base``, an adapter folder, or a registered ``name[@version]`` (default: its active version)."""
     if model == "base":
         return None
@@ -122,7 +122,9 @@ def tasks_capture(suite: str | None = SuiteOption, split: str = typer.Option("tr
                   attempts: int = typer.Option(1, "--attempts", min=0, help="Model attempts per task."),
                   sample: int | None = typer.Option(None, "--sample", min=1, help="Attempt only this many tasks, "
                                                     "evenly spread over the split (demonstrations cover all)."),
-                  temperature: float = typer.Option(0.7, "--temperature", min=0.0, max=2.0),
+                  temperature: float | None = typer.Option(None, "--temperature", min=0.0, max=2.0,
+                                                           help="Sampling temperature of the attempts "
+                                                           "(default: capture's own)."),
                   config: str | None = ConfigOption) -> None:
     """Capture a split into the store: demonstrations (source demo) and the model's attempts (source agent),
     each with the verifier's verdict. The test split is refused: nothing from it may reach training."""
@@ -134,8 +136,9 @@ def tasks_capture(suite: str | None = SuiteOption, split: str = typer.Option("tr
     if _split(split) == "test":
         fail("the test split is for reporting and the gate only; capture train or validation", 2)
     started = time.perf_counter()
+    chosen = {} if temperature is None else {"temperature": temperature}
     result = asyncio.run(capture(settings, _suite(settings, suite), split, demos=demos, attempts=attempts,
-                                 sample=sample, temperature=temperature))
+                                 sample=sample, **chosen))
     console.print(f"captured {result.demonstrations} demonstrations and {result.attempts} attempts "
                   f"({result.attempts_succeeded} succeeded) into {settings.store.path} "
                   f"in {time.perf_counter() - started:.0f} s")

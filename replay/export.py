@@ -41,6 +41,7 @@ from typing import IO, Any
 import orjson
 import structlog
 
+from extras import require_extra
 from replay import hashing
 from replay.filters import Filters
 from replay.model import StoredCall
@@ -48,7 +49,6 @@ from replay.queries import CALL_COLUMNS_WITHOUT_LOGPROBS, stored_call
 from replay.records import new_id
 from replay.redact import Redactor
 from replay.vocabulary import CALL_OK
-from tools.extras import require_extra
 
 log = structlog.get_logger()
 

@@ -6,10 +6,10 @@ the API and the command line. ``format`` names how ``ModelCall.request`` and its
 format of the same model, so readers that do not know a format can refuse it by name.
 
 A model call is read in two depths: ``StoredCall``, as the store holds it (message bodies by key, token ids
-packed), and ``ModelCall``, resolved (``StoredCall.resolve``). Readers of one trajectory take it resolved; the bulk
-export takes ``StoredCall`` and splices the stored bodies' bytes without decoding them (over ten thousand
-trajectories a second, where resolving each runs at about five hundred). ``stats`` aggregates the same tables in
-SQL, over the vocabulary in ``replay.vocabulary``.
+packed), and ``ModelCall``, whole (``StoredCall.to_model_call``: bodies in place, columns unpacked). Readers of
+one trajectory take it whole; the bulk export takes ``StoredCall`` and splices the stored bodies' bytes without
+decoding them (over ten thousand trajectories a second, where making each whole runs at about five hundred).
+``stats`` aggregates the same tables in SQL, over the vocabulary in ``replay.vocabulary``.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class ModelCall(_CallColumns):
 class StoredCall(_CallColumns):
     """A model call as the store holds it: its messages, tool specs and replies as keys of bodies stored once each
     (the ``blobs`` table, shared by every call that sent them), its parameters and response as JSON text, its token
-    ids and log-probabilities packed. ``resolve`` turns it into a ``ModelCall``."""
+    ids and log-probabilities packed. ``to_model_call`` turns it into a ``ModelCall``."""
 
     trajectory_id: str
     id: str
@@ -153,7 +153,7 @@ class StoredCall(_CallColumns):
         per_choice = orjson.loads(ids)
         return orjson.dumps(per_choice[0]) if per_choice and per_choice[0] is not None else None
 
-    def resolve(self, bodies: Mapping[str, Any]) -> ModelCall:
+    def to_model_call(self, bodies: Mapping[str, Any]) -> ModelCall:
         """This call with its bodies (decoded, by key) in place and its packed columns unpacked."""
         response = orjson.loads(self.response) if self.response else None
         if response is not None:
@@ -223,8 +223,8 @@ class Feedback:
 
 
 @dataclass(frozen=True, slots=True)
-class Event:
-    """A state the agent loop passed through."""
+class RunEvent:
+    """A state an agent run passed through, as read from the ``events`` table (the loop writes a ``StepEvent``)."""
 
     step: int
     state: str
@@ -284,7 +284,7 @@ class Trajectory:
     format: str = CHAT
     calls: list[ModelCall] = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)
-    events: list[Event] = field(default_factory=list)
+    events: list[RunEvent] = field(default_factory=list)
     feedback: list[Feedback] = field(default_factory=list)  # oldest first
     run: AgentRun | None = None
 

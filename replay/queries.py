@@ -9,7 +9,7 @@ from typing import Any
 import aiosqlite
 import orjson
 
-from replay.model import AgentRun, Event, Feedback, ModelCall, StoredCall, ToolCall, Trajectory, content_text
+from replay.model import AgentRun, Feedback, ModelCall, RunEvent, StoredCall, ToolCall, Trajectory, content_text
 
 _SUMMARY_FIELDS = ("id", "source", "status", "created_at", "updated_at", "tenant", "key_id", "session_key",
                    "requested_model", "base_model", "adapter", "adapter_version", "task_id", "group_id", "parent_id",
@@ -49,7 +49,7 @@ async def listing(db: aiosqlite.Connection, *, tenant: str | None, all_tenants: 
 
 async def trajectory(db: aiosqlite.Connection, trajectory_id: str, *, tenant: str | None,
                      all_tenants: bool) -> Trajectory | None:
-    """A trajectory whole: its calls (message bodies resolved), tool calls, events, feedback and run."""
+    """A trajectory whole: its calls (message bodies in place), tool calls, events, feedback and run."""
     row = _first(await db.execute_fetchall("SELECT * FROM trajectories WHERE id = ?", (trajectory_id,)))
     if row is None or (not all_tenants and row["tenant"] != tenant):
         return None
@@ -82,7 +82,7 @@ async def _calls(db: aiosqlite.Connection, trajectory_id: str) -> list[ModelCall
     stored = [stored_call(r) for r in await db.execute_fetchall(
         f"SELECT {CALL_COLUMNS} FROM model_calls WHERE trajectory_id = ? ORDER BY seq, created_at", (trajectory_id,))]
     bodies = await blobs(db, {k for c in stored for k in c.body_keys})
-    return [c.resolve(bodies) for c in stored]
+    return [c.to_model_call(bodies) for c in stored]
 
 
 async def blobs(db: aiosqlite.Connection, keys: Iterable[str]) -> dict[str, Any]:
@@ -114,8 +114,8 @@ async def _tool_calls(db: aiosqlite.Connection, trajectory_id: str, calls: list[
         duration_ms=r["duration_ms"], created_at=r["created_at"]) for r in rows]
 
 
-async def _events(db: aiosqlite.Connection, trajectory_id: str) -> list[Event]:
-    return [Event(step=r[0], state=r[1], data=orjson.loads(r[2]) if r[2] else None, created_at=r[3])
+async def _events(db: aiosqlite.Connection, trajectory_id: str) -> list[RunEvent]:
+    return [RunEvent(step=r[0], state=r[1], data=orjson.loads(r[2]) if r[2] else None, created_at=r[3])
             for r in await db.execute_fetchall("SELECT step, state, data, created_at FROM events "
                                                "WHERE trajectory_id = ? ORDER BY id", (trajectory_id,))]
 

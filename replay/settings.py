@@ -1,6 +1,7 @@
 """The ``[store]`` and ``[rewards]`` settings sections, which the store and the reward engine own.
 
-``gateway/config.py`` composes them into the one settings object; only it reads the environment.
+``gateway/config.py`` composes them into the gateway's settings, ``training/settings.py`` adds its own on top; only
+``gateway/config.py`` reads the environment.
 """
 
 from __future__ import annotations
@@ -9,14 +10,12 @@ import math
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
+
+from tools.settings import Section
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class StoreSettings(_Section):
+class StoreSettings(Section):
     path: str = Field("harness.db", description="SQLite file for trajectories.")
     synchronous: Literal["NORMAL", "FULL"] = Field(
         "NORMAL", description="NORMAL survives a process crash; FULL also a power loss."
@@ -32,7 +31,7 @@ class StoreSettings(_Section):
                                        description="More regular expressions whose matches exports redact.")
 
 
-class RewardSettings(BaseModel):
+class RewardSettings(Section):
     """Weights of the reward engine's signals (``replay/rewards.py``). Every signal is a number in [0, 1];
     a negative weight makes a signal a penalty. Any other key is the weight of a signal registered by name."""
 
@@ -52,6 +51,11 @@ class RewardSettings(BaseModel):
         for name, value in list(extra.items()):
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.\-]*", name):
                 raise ValueError(f"{name!r} is not a signal name")
+            if isinstance(value, str):  # an environment override arrives as text
+                try:
+                    value = float(value)
+                except ValueError:
+                    pass
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"the weight of signal {name!r} must be a finite number, got {value!r}")
             extra[name] = float(value)

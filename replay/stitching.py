@@ -28,14 +28,14 @@ class LRU(OrderedDict):
 
 
 class Stitcher:
-    def __init__(self, capacity: int = 5_000) -> None:
+    def __init__(self, capacity: int) -> None:
         self.lookup: sqlite3.Connection | None = None  # used only on the event loop; set when the store starts
         self._heads = LRU(capacity)
         self._state = LRU(capacity)
         self._sessions = LRU(capacity)
         self._lock = asyncio.Lock()
 
-    async def resolve(self, *, session_key: str | None, prefix: list[str], anchor: str,
+    async def stitch(self, *, session_key: str | None, prefix: list[str], anchor: str,
                       tenant: str | None) -> TrajectoryRef:
         """Decide which trajectory a request extends, or start a new one (recording its parent).
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+from collections.abc import Callable
 from typing import Any
 
 import aiosqlite
@@ -24,23 +25,26 @@ from replay import queries
 from replay.model import Trajectory
 from replay.records import CallRecord, Statement, TrajectoryRef, WriteOp
 from replay.schema import migrate
+from replay.settings import StoreSettings
 from replay.stitching import Stitcher
 from replay.writer import Writer
 
 
 class TrajectoryStore:
-    def __init__(self, path: str, *, synchronous: str = "NORMAL", max_batch: int = 256,
-                 max_queue: int = 100_000, commit_delay_ms: float = 0.0,
-                 on_commit: Any = None, cache_entries: int = 5_000) -> None:
+    def __init__(self, path: str, settings: StoreSettings | None = None, *,
+                 on_commit: Callable[[int, float], None] | None = None) -> None:
+        """The store in the SQLite file ``path``, run as ``settings`` say (``[store]``; its defaults without it:
+        the file is named apart because commands open other files than the configured one)."""
+        s = settings or StoreSettings()
         self.path = path
-        self.synchronous = synchronous
+        self.synchronous = s.synchronous
         # One transaction at a time on the store: batches, deletes and key changes.
         self._write_lock = asyncio.Lock()
         # The in-memory caches are bounded; a miss is an indexed look-up in the database, not a wrong answer.
-        self._stitcher = Stitcher(capacity=cache_entries)
-        self._writer = Writer(lock=self._write_lock, advance=self._stitcher.advance, max_batch=max_batch,
-                              max_queue=max_queue, commit_delay=commit_delay_ms / 1000, on_commit=on_commit,
-                              known_blobs=2 * cache_entries)
+        self._stitcher = Stitcher(capacity=s.cache_entries)
+        self._writer = Writer(lock=self._write_lock, advance=self._stitcher.advance, max_batch=s.max_batch,
+                              max_queue=s.max_queue, commit_delay=s.commit_delay_ms / 1000, on_commit=on_commit,
+                              known_blobs=2 * s.cache_entries)
         self._write_conn: aiosqlite.Connection | None = None
         self._reader: aiosqlite.Connection | None = None
         self._batch_conn: sqlite3.Connection | None = None
@@ -93,10 +97,10 @@ class TrajectoryStore:
 
     # -- writing -----------------------------------------------------------------------------------
 
-    async def resolve(self, *, session_key: str | None, prefix: list[str], anchor: str,
+    async def stitch(self, *, session_key: str | None, prefix: list[str], anchor: str,
                       tenant: str | None) -> TrajectoryRef:
-        """Which trajectory a request extends, or a new one (see ``Stitcher.resolve``)."""
-        return await self._stitcher.resolve(session_key=session_key, prefix=prefix, anchor=anchor, tenant=tenant)
+        """Which trajectory a request extends, or a new one (see ``Stitcher.stitch``)."""
+        return await self._stitcher.stitch(session_key=session_key, prefix=prefix, anchor=anchor, tenant=tenant)
 
     async def record(self, rec: CallRecord) -> None:
         """Queue a call for the next commit and wait until it is durable."""

@@ -95,9 +95,9 @@ def _reject(fut: asyncio.Future[None], exc: Exception, stage: str) -> None:
 
 
 class Writer:
-    def __init__(self, *, lock: asyncio.Lock, advance: Callable[[CallRecord, str | None], None],
-                 max_batch: int = 256, max_queue: int = 100_000, commit_delay: float = 0.0,
-                 on_commit: Callable[[int, float], None] | None = None, known_blobs: int = 10_000) -> None:
+    def __init__(self, *, lock: asyncio.Lock, advance: Callable[[CallRecord, str | None], None], max_batch: int,
+                 max_queue: int, commit_delay: float, on_commit: Callable[[int, float], None] | None,
+                 known_blobs: int) -> None:
         self.max_batch = max_batch
         self.commit_delay = commit_delay
         self.known_blobs = LRU(known_blobs)  # bodies already stored: a miss costs one INSERT OR IGNORE

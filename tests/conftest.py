@@ -29,7 +29,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 @pytest.fixture(scope="session")
 def smol_tokenizer() -> PreTrainedTokenizerBase:
     """The embedded model's tokenizer: instant from the model cache, else read from the GGUF (~7 s)."""
-    from gateway.backends.local_model import load_tokenizer
+    from gateway.backends.local.loading import load_tokenizer
 
     return load_tokenizer()
 

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from tools.extras import MissingExtra, require_extra
+from extras import MissingExtra, require_extra
 
 
 def skip_without(extra: str) -> None:

@@ -1,5 +1,5 @@
-"""Dependencies run one way: ``tools`` and ``replay`` at the bottom, ``gateway`` above them, ``training`` above that,
-and the command line (``harness``) on top.
+"""Dependencies run one way: ``extras``, ``tools`` and ``replay`` at the bottom, ``gateway`` above them, ``training``
+above that, and the command line (``harness``) on top.
 
 Every import is counted, at module level or inside a function, type-checking ones included.
 """
@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = {"tools": 0, "replay": 0, "gateway": 1, "training": 2, "harness": 3}
+LAYERS = {"extras": 0, "tools": 0, "replay": 0, "gateway": 1, "training": 2, "harness": 3}
 
 
 def modules() -> dict[str, Path]:

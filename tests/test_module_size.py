@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("gateway", "tools", "replay", "training", "harness")
+PACKAGES = ("gateway", "extras", "tools", "replay", "training", "harness")
 LIMIT = 500
 EXEMPT = {
     "training/tasks/tools_suite.py": "mostly the suite's fixed data: employees, products, phrasings, faults",

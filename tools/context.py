@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from tools.extras import MissingExtra, require_extra
+from extras import MissingExtra, require_extra
 from tools.net import guarded_client
 from tools.settings import ToolsSettings
 from tools.spec import ToolError

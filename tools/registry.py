@@ -8,7 +8,7 @@ from typing import Any
 
 from tools.builtin import browse, calculator, http_get, send_message, sql_query, write_file
 from tools.settings import ConfigError, ToolsSettings
-from tools.spec import ToolFunction, ToolSpec
+from tools.spec import OUTPUT_CAP, ToolFunction, ToolSpec
 
 
 def tool(
@@ -17,7 +17,7 @@ def tool(
     name: str | None = None,
     description: str | None = None,
     timeout: float = 30.0,
-    output_cap: int = 20_000,
+    output_cap: int = OUTPUT_CAP,
     permissions: Iterable[str] = (),
     requires_approval: bool = False,
 ) -> Callable[[ToolFunction], ToolSpec]:

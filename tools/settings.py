@@ -1,6 +1,8 @@
 """The ``[tools]`` settings section, and the validators of network allow-lists (the bot's callbacks use them too).
 
-``gateway/config.py`` composes this section into the one settings object; only it reads the environment.
+``Section`` is the one base of every package's settings sections (``replay/settings.py``, ``gateway/config.py``,
+``training/settings.py``); it lives here, at the bottom layer, so that each of them can import it.
+``gateway/config.py`` composes the sections and is the only module that reads the environment.
 """
 
 from __future__ import annotations
@@ -12,7 +14,11 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 
 class ConfigError(ValueError):
-    """The configuration cannot be used; the message says which key and why."""
+    """The configuration cannot be used; the message says which key and why, ``problems`` one line per mistake."""
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems = problems or [message]
 
 
 class Section(BaseModel):

@@ -9,6 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 from jsonschema import Draft202012Validator
 
+from tools.settings import ToolsSettings
+
+# A tool's result is cut past this many characters unless its spec says otherwise: [tools] output_cap's default,
+# which the built-in tools take from the settings themselves.
+OUTPUT_CAP: int = ToolsSettings.model_fields["output_cap"].default
+
 if TYPE_CHECKING:
     from tools.context import ToolContext
 
@@ -37,7 +43,7 @@ class ToolSpec:
     parameters: Mapping[str, Any]
     run: ToolFunction = field(repr=False)
     timeout: float = 30.0
-    output_cap: int = 20_000
+    output_cap: int = OUTPUT_CAP
     permissions: frozenset[str] = frozenset()
     requires_approval: bool = False
     validator: Draft202012Validator = field(init=False, repr=False)

@@ -1,4 +1,4 @@
-"""The tools one agent run may use, bound to the shared context: what the agent loop calls."""
+"""The tools one agent run may use, bound to the shared context: the agent loop's ``AllowedTools``."""
 
 from __future__ import annotations
 

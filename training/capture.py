@@ -13,7 +13,6 @@ from typing import Any
 
 from gateway.agent.loop import Profile, RunState
 from gateway.agent.recording import StoreRecorder
-from gateway.config import Settings
 from replay import feedback, runs
 from replay.importer import Conversation, ImportResult, build_op
 from replay.records import WriteOp
@@ -22,7 +21,12 @@ from replay.vocabulary import AGENT, DEMO
 from training.episodes import RecorderFor
 from training.evaluate import Evaluator, spread
 from training.metrics import Episode, metrics_of
+from training.settings import HarnessSettings
 from training.tasks import Task, get_suite
+
+# The sampling temperature of capture's model attempts (``harness tasks capture --temperature``): varied enough that
+# several attempts at a task differ, low enough that some succeed.
+ATTEMPT_TEMPERATURE = 0.7
 
 
 @dataclass
@@ -62,14 +66,14 @@ async def label_episodes(store: TrajectoryStore, suite: str, tasks: list[Task], 
     await store.write(WriteOp(statements=statements))
 
 
-async def capture(settings: Settings, suite_name: str, split: str, *, demos: bool = True, attempts: int = 1,
-                  sample: int | None = None, temperature: float = 0.7) -> CaptureResult:
+async def capture(settings: HarnessSettings, suite_name: str, split: str, *, demos: bool = True, attempts: int = 1,
+                  sample: int | None = None, temperature: float = ATTEMPT_TEMPERATURE) -> CaptureResult:
     """Demonstrations of every task of ``split``; ``attempts`` model attempts at each task (or at ``sample`` tasks
     spread evenly over the split, so every family is attempted)."""
     suite = get_suite(suite_name, data_dir=settings.training.tasks_dir)
     tasks = suite.tasks(split)
     result = CaptureResult()
-    store = TrajectoryStore(settings.store.path, synchronous=settings.store.synchronous)
+    store = TrajectoryStore(settings.store.path, settings.store)
     await store.start()
     try:
         if demos:

@@ -23,9 +23,10 @@ from tqdm import tqdm
 
 from gateway.backends.base import ChatRequest, ChatResult
 from gateway.backends.local import LocalBackend
-from gateway.config import BackendSettings, TrainingSettings
+from gateway.config import BackendSettings
 from training.episodes import RecorderFor, run_episode
 from training.metrics import METRICS, Episode, Loss, format_value, metrics_of, perplexity_of, success_interval
+from training.settings import TrainingSettings
 from training.tasks import Suite, Task, get_suite, test_only_markers
 
 log = structlog.get_logger()
@@ -129,11 +130,11 @@ class Evaluator:
         """The report of one model (the base, or ``adapter``) on one split (``limit`` > 0: that many of its tasks,
         spread evenly over it, so every family is in)."""
         suite = get_suite(suite_name, data_dir=self.settings.tasks_dir)
-        return await self.evaluate_tasks(suite, spread(suite.tasks(split), limit), adapter, split=split,
-                                         general=general, label=label)
+        return await self.evaluate_tasks(suite, spread(suite.tasks(split), limit), adapter, split=split, samples=1,
+                                         temperature=0.0, general=general, label=label)
 
     async def evaluate_tasks(self, suite: Suite, tasks: list[Task], adapter: str | Path | None = None, *,
-                             split: str, samples: int = 1, temperature: float = 0.7,
+                             split: str, samples: int, temperature: float,
                              general: Callable[[str | Path | None], list[Loss]] | None = None,
                              label: str | None = None) -> Report:
         """The report of one model on ``tasks`` of ``suite`` (the instance that drew them: it verifies them),

@@ -22,8 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gateway.backends.local_model import load_tokenizer
-from gateway.config import Settings
+from gateway.backends.local.loading import load_tokenizer
 from replay.filters import Filters
 from replay.store import TrajectoryStore
 from replay.vocabulary import ROLLOUT
@@ -32,6 +31,7 @@ from training.capture import label_episodes, store_recorder
 from training.evaluate import Evaluator
 from training.general import GeneralCheck
 from training.metrics import Episode, rank
+from training.settings import HarnessSettings
 from training.sft import SFTConfig, train_sft
 from training.stages import Stages
 from training.tasks import Suite
@@ -42,7 +42,7 @@ def kept(episodes: list[Episode]) -> list[Episode]:
     return [e for e in episodes if e.success and e.invalid_calls == 0]
 
 
-async def expert_iteration(settings: Settings, suite: Suite, evaluator: Evaluator, general: GeneralCheck,
+async def expert_iteration(settings: HarnessSettings, suite: Suite, evaluator: Evaluator, general: GeneralCheck,
                            start: Path, start_metrics: dict[str, Any], out: Path, *, demonstrations: list[data.Example],
                            exclude: Callable[[str], bool], stage: Stages) -> tuple[Path, dict[str, Any], list[dict]]:
     """``[training.expert] rounds`` rounds from ``start`` (validated at ``start_metrics``; ``demonstrations``: SFT's
@@ -54,7 +54,7 @@ async def expert_iteration(settings: Settings, suite: Suite, evaluator: Evaluato
     tokenizer = await asyncio.to_thread(load_tokenizer, training.model_path)
     general_rows = await asyncio.to_thread(general.training_rows)
     current, current_metrics, rounds = start, start_metrics, []
-    store = TrajectoryStore(settings.store.path, synchronous=settings.store.synchronous)
+    store = TrajectoryStore(settings.store.path, settings.store)
     await store.start()
     try:
         for r in range(1, expert.rounds + 1):

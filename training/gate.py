@@ -35,8 +35,8 @@ from typing import Any, Protocol
 
 from rich.table import Table
 
-from gateway.config import GateSettings
 from training.metrics import Episode, Loss, perplexity_of
+from training.settings import GateSettings
 from training.stats import mean, paired_bootstrap, rate_bounds
 from training.tasks import Suite, Task
 from training.tasks.adversarial import POLICIES

@@ -11,9 +11,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from gateway.backends.local_model import load_model
-from gateway.config import TrainingSettings
+from gateway.backends.local.loading import load_model
 from training import batches, data, general_data
+from training.settings import TrainingSettings
 
 
 class GeneralCheck:

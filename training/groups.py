@@ -26,8 +26,8 @@ class Sample:
     completion_ids: list[int]
     logprobs: list[float]  # of completion_ids under the distribution the rollout sampled them from, as captured
     seq: int  # the model call's seq in its trajectory
+    temperature: float  # the rollout's sampling temperature
     advantage: float = 0.0
-    temperature: float = 1.0  # the rollout's sampling temperature
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.completion_ids):
@@ -67,7 +67,7 @@ class Group:
 # -- advantages ------------------------------------------------------------------------------------------
 
 
-def group_advantages(rewards: Sequence[float], algorithm: Literal["grpo", "rloo"] = "rloo") -> list[float]:
+def group_advantages(rewards: Sequence[float], algorithm: Literal["grpo", "rloo"]) -> list[float]:
     """Each reward against its group: GRPO normalises by the group's mean and sample std, RLOO subtracts the mean of
     the others. A group of one, or without spread, has advantages 0."""
     n = len(rewards)

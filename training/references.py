@@ -5,7 +5,7 @@ tasks (``[training.gate]``: drawn with a fixed seed from the test templates). Th
 between runs, so its report is kept in ``<output_dir>/references/<key>.json``
 and read back while the key is the same. The key hashes
 
-- the weights: the base model's fingerprint (``local_model.model_fingerprint``: names, sizes and head hashes, as
+- the weights: the base model's fingerprint (``local.loading.model_fingerprint``: names, sizes and head hashes, as
   the model cache checks them) and, for an adapter, every file of its folder (weights, config, the rendering it
   is served in);
 - the suite: its name and ``version`` (bumped when its tools or verifier change), and the task set (each task's
@@ -28,12 +28,12 @@ from pathlib import Path
 import orjson
 import structlog
 
-from gateway.backends.local_model import model_fingerprint
-from gateway.config import TrainingSettings
+from gateway.backends.local.loading import model_fingerprint
 from training.episodes import EPISODE_LIMITS
 from training.evaluate import Evaluator, Report
 from training.general_data import GENERAL_PROMPTS
 from training.metrics import Episode, Loss
+from training.settings import TrainingSettings
 from training.tasks import Suite, Task
 
 log = structlog.get_logger()

@@ -40,8 +40,8 @@ import orjson
 from rich.console import Console
 
 from gateway.adapters import archive
-from gateway.backends.local_model import load_tokenizer
-from gateway.config import ServerSettings, Settings
+from gateway.backends.local.loading import load_tokenizer
+from gateway.config import ServerSettings
 from replay.adapters import AdapterRegistry, AdapterVersion
 from replay.filters import Filters
 from replay.rewards import recompute, signal_weights, step_limits
@@ -56,6 +56,7 @@ from training.metrics import rank
 from training.references import ReferenceCache, reference_report
 from training.rl import RLConfig, train_rl
 from training.rollouts import Rollouts, groups_from_store
+from training.settings import HarnessSettings
 from training.sft import SFTConfig, load_base, train_sft
 from training.stages import Stages
 from training.tasks import Suite, Task, get_suite, leak_filter
@@ -75,7 +76,7 @@ class Outcome:
     published: bool = False
 
 
-async def replay_train(settings: Settings, filters: Filters, *, mode: str = "sft", init: str | None = None,
+async def replay_train(settings: HarnessSettings, filters: Filters, *, mode: str = "sft", init: str | None = None,
                        name: str | None = None, publish: str | None = None,
                        console: Console | None = None) -> Outcome:
     """The whole pipeline (see the module doc). ``mode``: sft, rl or sft+rl; ``init``: the adapter folder RL starts
@@ -95,7 +96,7 @@ async def replay_train(settings: Settings, filters: Filters, *, mode: str = "sft
 
     # -- select and reward --------------------------------------------------------------------------------
     unbounded = dataclasses.replace(filters, min_reward=None, max_reward=None)
-    store = TrajectoryStore(settings.store.path, synchronous=settings.store.synchronous)
+    store = TrajectoryStore(settings.store.path, settings.store)
     await store.start()
     try:
         selected = await store.select_ids(unbounded)
@@ -199,7 +200,7 @@ async def replay_train(settings: Settings, filters: Filters, *, mode: str = "sft
 
 
 
-async def _sft(settings: Settings, filters: Filters, suite: Suite, gate_tasks: list[Task], general: GeneralCheck,
+async def _sft(settings: HarnessSettings, filters: Filters, suite: Suite, gate_tasks: list[Task], general: GeneralCheck,
                evaluator: Evaluator, out: Path, stage: Stages) -> tuple[Path, dict[str, Any], list[data.Example]]:
     """Build, train (into ``out``) and validate: the best SFT checkpoint, its validation metrics (none when there
     is one checkpoint and no expert iteration, which would rank against them) and the task rows it trained on."""
@@ -235,14 +236,14 @@ async def _sft(settings: Settings, filters: Filters, suite: Suite, gate_tasks: l
     return result.checkpoints[best], validation[best].metrics, task_rows
 
 
-async def _rl(settings: Settings, selected: list[str], start: Path | None, evaluator: Evaluator, run_dir: Path,
+async def _rl(settings: HarnessSettings, selected: list[str], start: Path | None, evaluator: Evaluator, run_dir: Path,
               stage: Stages) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     """Captured groups first, then online rollouts: the best checkpoint on validation, its metrics, a summary."""
     training, rl = settings.training, settings.training.rl
     suite = get_suite(training.suite, data_dir=training.tasks_dir)
     test_tasks = {t.id for t in suite.tasks("test")}
     loop = asyncio.get_running_loop()
-    store = TrajectoryStore(settings.store.path, synchronous=settings.store.synchronous)
+    store = TrajectoryStore(settings.store.path, settings.store)
     await store.start()
     try:
         captured, stats = await groups_from_store(

@@ -51,18 +51,17 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from gateway.backends.local.adapters import read_rendering, write_rendering
-from gateway.config import RLSettings
 from gateway.prompting import Rendering
 from training.groups import Group, Sample, assign_advantages
 from training.metrics import rank
 from training.plots import plot_rl
+from training.settings import RLSettings, TrainingSettings
 from training.sft import SFTConfig, append_jsonl, lora_policy, seed_everything, train_mode
 
 if TYPE_CHECKING:
     from peft import PeftModel
 
-    from gateway.backends.local_model import LoadedModel
-    from gateway.config import TrainingSettings
+    from gateway.backends.local.loading import LoadedModel
 
 log = structlog.get_logger()
 
@@ -229,14 +228,17 @@ class RLConfig:
     """What one RL run does: the ``[training.rl]`` section itself (``rl``, its fields documented there once), with
     what RL shares with SFT from ``[training]``: the adapter's shape when it starts fresh, the longest row, the seed."""
 
-    rl: RLSettings = field(default_factory=RLSettings)
-    lora: SFTConfig = field(default_factory=SFTConfig)
-    max_seq_len: int = 1024
-    seed: int = 0
+    rl: RLSettings
+    lora: SFTConfig
+    max_seq_len: int
+    seed: int
     max_grad_norm: float = 1.0
 
     @classmethod
-    def from_settings(cls, training: TrainingSettings, **overrides: Any) -> RLConfig:
+    def from_settings(cls, training: TrainingSettings | None = None, **overrides: Any) -> RLConfig:
+        """The run ``[training]`` and ``[training.rl]`` describe (their defaults without one), with ``overrides``."""
+        if training is None:
+            training = TrainingSettings()
         fields = dict(rl=training.rl, lora=SFTConfig.from_settings(training), max_seq_len=training.max_seq_len,
                       seed=training.seed)
         return cls(**{**fields, **overrides})

@@ -28,7 +28,6 @@ from typing import Literal
 import structlog
 
 from gateway.backends.local.sampling import GREEDY_BELOW
-from gateway.config import Settings
 from replay.model import ModelCall
 from replay.records import WriteOp, new_id
 from replay.rewards import IN_FLIGHT, result_statements, score, signal_weights, step_limits, view_of
@@ -38,6 +37,7 @@ from training.capture import label_episodes, store_recorder
 from training.evaluate import Evaluator
 from training.groups import Group, Sample, Trajectory
 from training.metrics import Episode
+from training.settings import HarnessSettings
 from training.tasks import Fault, Task, get_suite
 from training.tasks.base import FAULT_KINDS
 
@@ -61,7 +61,7 @@ class GroupStats:
 
 async def groups_from_store(store: TrajectoryStore, ids: list[str], rewards: Mapping[str, float], *, base_model: str,
                             step_limits: Mapping[str, int] | None = None, save_rewards: bool = False,
-                            outcome: Literal["success", "total"] = "success") -> tuple[list[Group], GroupStats]:
+                            outcome: Literal["success", "total"]) -> tuple[list[Group], GroupStats]:
     """The groups the trajectories ``ids`` form (see the module doc); ``save_rewards`` also stores their scores.
     ``outcome``: each trajectory's reward is its verified success where known (``success``; else the total), or the
     reward engine's total (``total``)."""
@@ -175,7 +175,7 @@ def with_fault(task: Task, rng: random.Random, rate: float) -> Task:
 class Rollouts:
     """Online groups from the suite's train split (see the module doc); call ``collect`` once per step."""
 
-    def __init__(self, settings: Settings, evaluator: Evaluator, store: TrajectoryStore, *, run: str) -> None:
+    def __init__(self, settings: HarnessSettings, evaluator: Evaluator, store: TrajectoryStore, *, run: str) -> None:
         self.settings = settings
         self.rl = settings.training.rl
         self.evaluator = evaluator

@@ -2,7 +2,7 @@
 
 The algorithm:
 
-1. Load the base model as the local backend does (``gateway.backends.local_model.load_model``) and wrap it with
+1. Load the base model as the local backend does (``gateway.backends.local.loading.load_model``) and wrap it with
    a peft LoRA adapter (``rank``, ``alpha``, ``dropout`` on ``target_modules``); only the adapter trains.
 2. Each epoch, shuffle the examples with the seed, sort pools of them by length and cut the pools into
    micro-batches (length buckets: little padding, yet random batches), then shuffle the batches. Right padding,
@@ -19,9 +19,10 @@ The algorithm:
    local backend, SGLang and vLLM all load), each optionally validated by the caller; ``metrics.jsonl`` every
    ``log_every`` steps and at each checkpoint; ``loss.png`` at the end.
 
-CUDA runs with bf16 autocast over float32 weights; CPU runs in float32. Gradient checkpointing is on by default
-(``gradient_checkpointing``): a batch of long rows keeps ~1 MB of activations per token otherwise. Simplifications:
-no packing of rows into one sequence, one device.
+CUDA runs with bf16 autocast over float32 weights; CPU runs in float32. Gradient checkpointing
+(``gradient_checkpointing``, off by default: ``[training]``) trades about a third more compute for the ~1 MB of
+activations per token a batch of long rows keeps otherwise. Every knob's default is the ``[training]`` section's
+(``SFTConfig.from_settings``). Simplifications: no packing of rows into one sequence, one device.
 """
 
 from __future__ import annotations
@@ -43,16 +44,15 @@ from tqdm import tqdm
 
 from gateway.backends.local.adapters import write_rendering
 from gateway.backends.local.heap import map_large_allocations
-from gateway.backends.local_model import LoadedModel, load_model
-from gateway.prompting import DEFAULT_RENDERING, Rendering
+from gateway.backends.local.loading import LoadedModel, load_model
+from gateway.prompting import Rendering
 from training.batches import Batch, label_logits, pad_batch
 from training.data import IGNORE, Example
 from training.plots import plot_loss
+from training.settings import TrainingSettings
 
 if TYPE_CHECKING:
     from peft import PeftModel
-
-    from gateway.config import TrainingSettings
 
 log = structlog.get_logger()
 
@@ -62,32 +62,35 @@ OnCheckpoint = Callable[[Path, dict[str, Any]], None]
 
 @dataclass
 class SFTConfig:
-    """What one SFT run does; ``from_settings`` reads the ``[training]`` section."""
+    """What one SFT run does: the ``[training]`` section's knobs, whose defaults live there alone (``from_settings``),
+    and the loop's own constants, which no setting exposes."""
 
-    base_model: str = "smollm2-135m-instruct"  # the served base name, written into each adapter_config.json
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: [
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    learning_rate: float = 2e-4
-    epochs: float = 2.0
-    batch_size: int = 8
-    grad_accum: int = 1
-    gradient_checkpointing: bool = True  # keep only each layer's input for the backward pass; recompute the rest
-    map_large_allocations: bool = False  # heap.py: less memory held, more page faults
-    max_seq_len: int = 1024
-    checkpoints: int = 3
-    seed: int = 0
+    base_model: str  # the served base name, written into each adapter_config.json
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: list[str]
+    learning_rate: float
+    epochs: float
+    batch_size: int
+    grad_accum: int
+    gradient_checkpointing: bool  # keep only each layer's input for the backward pass; recompute the rest
+    map_large_allocations: bool  # heap.py: less memory held, more page faults
+    max_seq_len: int
+    checkpoints: int
+    seed: int
+    rendering: Rendering  # how the rows' tool specs were written: recorded in each checkpoint
     warmup_ratio: float = 0.05
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
     log_every: int = 10  # optimizer steps between metrics.jsonl lines
     bucket_batches: int = 16  # micro-batches per length-sorted pool: more, less padding; fewer, more randomness
-    rendering: Rendering = DEFAULT_RENDERING  # how the rows' tool specs were written: recorded in each checkpoint
 
     @classmethod
-    def from_settings(cls, training: TrainingSettings, **overrides: Any) -> SFTConfig:
+    def from_settings(cls, training: TrainingSettings | None = None, **overrides: Any) -> SFTConfig:
+        """The run ``[training]`` describes (its defaults without one), with ``overrides``."""
+        if training is None:
+            training = TrainingSettings()
         fields = dict(base_model=training.base_model, rank=training.rank, alpha=training.alpha,
                       dropout=training.dropout, target_modules=list(training.target_modules),
                       learning_rate=training.learning_rate, epochs=training.epochs, batch_size=training.batch_size,

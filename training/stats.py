@@ -19,7 +19,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def rate_bounds(successes: float, trials: int, confidence: float = 0.95) -> tuple[float, float]:
+def rate_bounds(successes: float, trials: int, confidence: float) -> tuple[float, float]:
     """One-sided Wilson bounds (lower, upper) of a success rate at ``confidence`` each. ``successes`` may be
     fractional (the sum of per-task success shares over several samples): each task then counts as one trial
     whose variance is at most a coin's, so the bounds stay conservative."""
@@ -35,8 +35,8 @@ def rate_bounds(successes: float, trials: int, confidence: float = 0.95) -> tupl
     return lower, upper
 
 
-def paired_bootstrap(items: Sequence[T], statistic: Callable[[Sequence[T]], float], *, confidence: float = 0.95,
-                     resamples: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
+def paired_bootstrap(items: Sequence[T], statistic: Callable[[Sequence[T]], float], *, confidence: float,
+                     resamples: int, seed: int = 0) -> tuple[float, float, float]:
     """(estimate, lower, upper): ``statistic`` of ``items`` and its one-sided percentile-bootstrap bounds at
     ``confidence`` each. Each item is one task's paired outcome (both sides' values), so a resample keeps the
     pairing; the fixed ``seed`` makes the bounds a function of the data alone."""

@@ -1,6 +1,6 @@
 """What makes an agent stop: step, token and time budgets, failing tools, and repeated calls.
 
-Checked in one place. Each stop is a ``Termination`` carrying its named reason; the guard keeps only
+Checked in one place. Each stop is a ``Termination`` carrying its named reason; the limiter keeps only
 counters, so it is persisted with the run and a resumed run keeps its spent budgets.
 """
 
@@ -12,7 +12,14 @@ from typing import Any
 
 import orjson
 
+from gateway.config import ProfileSettings
 from replay.vocabulary import DEADLINE, LOOP_DETECTED, MAX_STEPS, MAX_TOTAL_TOKENS, TOOL_FAILURES
+
+
+def profile_default(name: str) -> Any:
+    """``[[profiles]]``' default for ``name``: a profile built in code (a test, a training episode) gets the
+    limits a configured one gets, from the one place they are declared."""
+    return ProfileSettings.model_fields[name].get_default(call_default_factory=True)
 
 
 class Termination(Exception):
@@ -28,11 +35,11 @@ class Termination(Exception):
 class Limits:
     """0 (or None) switches a limit off."""
 
-    max_steps: int = 10
-    max_total_tokens: int = 0
-    deadline_seconds: float = 0.0
-    max_consecutive_tool_failures: int = 3
-    max_repeats: int = 3  # the same call, not back to back, before it is refused
+    max_steps: int = profile_default("max_steps")
+    max_total_tokens: int = profile_default("max_total_tokens")
+    deadline_seconds: float = profile_default("deadline_seconds")
+    max_consecutive_tool_failures: int = profile_default("max_consecutive_tool_failures")
+    max_repeats: int = profile_default("max_repeats")  # the same call, not back to back, before it is refused
 
     def tightened(self, **overrides: Any) -> Limits:
         """A request may tighten its profile's limits, never loosen them."""
@@ -76,7 +83,9 @@ class Budget:
         self.consecutive_failures, self.previous_step_calls, self.refused_repeat, self.call_counts = {}, [], [], {}
 
 
-class Guard:
+class Limiter:
+    """Holds a run to its ``Limits``: checks the budget it spends and raises the ``Termination`` that stops it."""
+
     def __init__(self, limits: Limits, budget: Budget | None = None) -> None:
         self.limits = limits
         self.budget = budget or Budget()

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import structlog
 
 from gateway.agent import context as ctx
-from gateway.agent.limits import Budget, Guard, Limits, Termination, call_signature
+from gateway.agent.limits import Budget, Limiter, Limits, Termination, call_signature, profile_default
 from gateway.agent.parsing import parse_message
 from gateway.agent.validation import CheckedCall, check_call
 from gateway.backends.base import Backend, BackendError, ChatRequest, ChatResult
@@ -51,8 +51,8 @@ WRAP_UP = ("You must stop now ({detail}). Do not call any tools. Give your best 
            "have so far, and say plainly what you could not do.")
 
 
-class Toolbox(Protocol):
-    """The tools one run may use."""
+class AllowedTools(Protocol):
+    """The tools one run may use, as the loop calls them (``tools.toolbox.Toolbox``, or a task's own)."""
 
     def schemas(self) -> dict[str, dict[str, Any] | None]: ...
 
@@ -67,18 +67,20 @@ class Toolbox(Protocol):
 class Profile:
     name: str
     model: str
-    system_prompt: str = ""
-    tools: list[str] = field(default_factory=list)
+    system_prompt: str = profile_default("system_prompt")
+    tools: list[str] = field(default_factory=lambda: profile_default("tools"))
     limits: Limits = field(default_factory=Limits)
-    context_budget_tokens: int = 0  # 0: never summarize
-    keep_last_turns: int = 2
-    temperature: float | None = None
-    max_tokens: int | None = None
-    constrain_tool_calls: bool = False
+    context_budget_tokens: int = profile_default("context_budget_tokens")  # 0: never summarize
+    keep_last_turns: int = profile_default("keep_last_turns")
+    temperature: float | None = profile_default("temperature")
+    max_tokens: int | None = profile_default("max_tokens")
+    constrain_tool_calls: bool = profile_default("constrain_tool_calls")
 
 
 @dataclass
-class Event:
+class StepEvent:
+    """A state the loop passed through in a step, as it is written to the ``events`` table."""
+
     step: int
     state: str
     data: dict[str, Any]
@@ -136,7 +138,7 @@ class StepRecord:
     latency_ms: float = 0.0
     purpose: str = "step"  # step | summary | wrap_up
     calls: list[tuple[CheckedCall, ToolOutcome | None]] = field(default_factory=list)
-    events: list[Event] = field(default_factory=list)
+    events: list[StepEvent] = field(default_factory=list)
     approvals: list[dict[str, Any]] = field(default_factory=list)  # calls held in this step
     decided: list[tuple[str, ToolOutcome]] = field(default_factory=list)  # held calls' outcomes, by call id
 
@@ -146,9 +148,9 @@ class Recorder(Protocol):
 
 
 class AgentLoop:
-    def __init__(self, *, profile: Profile, backend: Backend, toolbox: Toolbox, recorder: Recorder,
+    def __init__(self, *, profile: Profile, backend: Backend, toolbox: AllowedTools, recorder: Recorder,
                  state: RunState, token_counter: ctx.TokenCounter | None = None,
-                 on_event: Callable[[Event], None] | None = None, hold_for_approval: bool = False,
+                 on_event: Callable[[StepEvent], None] | None = None, hold_for_approval: bool = False,
                  tenant: str | None = None) -> None:
         self.profile = profile
         self.tenant = tenant  # whose run it is: the backend keeps its cached prompts apart from other tenants
@@ -156,7 +158,7 @@ class AgentLoop:
         self.toolbox = toolbox
         self.recorder = recorder
         self.state = state
-        self.guard = Guard(profile.limits, state.budget)
+        self.limiter = Limiter(profile.limits, state.budget)
         self.count_tokens = token_counter or ctx.approximate_tokens
         self.on_event = on_event
         self.hold_for_approval = hold_for_approval
@@ -186,7 +188,7 @@ class AgentLoop:
     async def step(self) -> None:
         state, n = self.state, self.state.budget.steps
         record = StepRecord(step=n)
-        self.guard.before_model_call()
+        self.limiter.before_model_call()
         await self._maybe_summarize(record)
         body = self._body(self.profile.tools and self.toolbox.openai_tools())
         result = await self._call_model(record, body, CALL_MODEL)
@@ -220,7 +222,7 @@ class AgentLoop:
                 continue
             sig = signatures[c.id] = call_signature(c.name, c.arguments)
             try:
-                refusal = self.guard.check_repeat(sig, c.name)
+                refusal = self.limiter.check_repeat(sig, c.name)
             except Termination as exc:
                 stop = stop or exc
                 refusal = "Refused: the same call again. The run is stopping."
@@ -256,7 +258,7 @@ class AgentLoop:
             state.messages.append({"role": "tool", "tool_call_id": c.id, "content": outcome.output})
             if outcome.status in ("ok", "error", "timeout", "invalid"):
                 try:
-                    nudge = self.guard.tool_result(c.name, outcome.status == "ok")
+                    nudge = self.limiter.tool_result(c.name, outcome.status == "ok")
                 except Termination as exc:
                     stop = stop or exc
                     nudge = None
@@ -269,7 +271,7 @@ class AgentLoop:
         # A call that failed (error, timeout, empty result) may be retried as it was: that is recovering.
         failed = {signatures[c.id] for c, o in record.calls if c.id in signatures and (
             o.status in ("error", "timeout") or (o.status == "ok" and not o.output.strip()))}
-        self.guard.end_step(list(signatures.values()), failed=failed)
+        self.limiter.end_step(list(signatures.values()), failed=failed)
         if state.pending:
             state.status, state.paused_at = "pending_approval", time.time()
             self._emit(record, AWAIT_APPROVAL, approvals=list(record.approvals))
@@ -297,7 +299,7 @@ class AgentLoop:
                        status=outcome.status, output=outcome.output[:500])
             if outcome.status in ("ok", "error", "timeout"):
                 try:
-                    self.guard.tool_result(held["name"], outcome.status == "ok")
+                    self.limiter.tool_result(held["name"], outcome.status == "ok")
                 except Termination as exc:
                     stop = stop or exc
         state.messages[:] = ctx.with_tool_results(state.messages, results)
@@ -326,7 +328,7 @@ class AgentLoop:
         self._emit(record, state_name, messages=len(body["messages"]))
         record.request = body
         started = time.perf_counter()
-        timeout = self.guard.seconds_left()
+        timeout = self.limiter.seconds_left()
         try:
             request = ChatRequest(body=body, model=self.profile.model, tenant=self.tenant)
             result = await asyncio.wait_for(self.backend.chat(request), timeout)
@@ -343,7 +345,7 @@ class AgentLoop:
             raise Termination(BACKEND_ERROR, exc.message) from None
         record.latency_ms = (time.perf_counter() - started) * 1000
         record.result = result
-        self.guard.spent(result.response.get("usage"))
+        self.limiter.spent(result.response.get("usage"))
         return result
 
     def _needs_approval(self, name: str) -> bool:
@@ -388,7 +390,7 @@ class AgentLoop:
         if state.status != "error":
             state.status, state.termination_reason = "terminated", stop.reason
         record = StepRecord(step=state.budget.steps, purpose="wrap_up")
-        if state.status == "terminated" and self.guard.can_wrap_up():
+        if state.status == "terminated" and self.limiter.can_wrap_up():
             state.messages.append({"role": "user", "content": WRAP_UP.format(detail=stop.detail)})
             try:
                 result = await self._call_model(record, self._body(None), CALL_MODEL)
@@ -399,8 +401,8 @@ class AgentLoop:
         self._emit(record, TERMINATED, reason=stop.reason, detail=stop.detail)
         await self._persist(record)
 
-    def _event(self, state_name: str, **data: Any) -> Event:
-        return Event(step=self.state.budget.steps, state=state_name, data=data)
+    def _event(self, state_name: str, **data: Any) -> StepEvent:
+        return StepEvent(step=self.state.budget.steps, state=state_name, data=data)
 
     def _emit(self, record: StepRecord, state_name: str, **data: Any) -> None:
         event = self._event(state_name, **data)

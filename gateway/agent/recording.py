@@ -11,12 +11,13 @@ from replay import approvals, hashing, runs
 from replay.records import CallRecord, Statement, TrajectoryRef, WriteOp
 from replay.store import TrajectoryStore
 from replay.vocabulary import AGENT
+from tools.settings import ToolsSettings
 
 
 class StoreRecorder:
     def __init__(self, store: TrajectoryStore, *, profile: Profile, backend: str, tenant: str | None = None,
                  key_id: str | None = None, source: str = AGENT, capture: bool = True,
-                 approval_expiry_seconds: float = 86_400.0, metadata: dict[str, Any] | None = None) -> None:
+                 approval_expiry_seconds: float | None = None, metadata: dict[str, Any] | None = None) -> None:
         self.store = store
         self.profile = profile
         self.backend = backend
@@ -24,7 +25,9 @@ class StoreRecorder:
         self.key_id = key_id
         self.source = source
         self.capture = capture
-        self.approval_expiry_seconds = approval_expiry_seconds
+        # None: [tools] approval_expiry_seconds' own default, the only one
+        self.approval_expiry_seconds = (ToolsSettings().approval_expiry_seconds if approval_expiry_seconds is None
+                                        else approval_expiry_seconds)
         self.metadata = metadata
 
     async def start(self, state: RunState) -> None:

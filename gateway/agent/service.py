@@ -11,7 +11,7 @@ import orjson
 import structlog
 
 from gateway.agent.limits import Limits
-from gateway.agent.loop import AgentLoop, Event, Profile, RunState
+from gateway.agent.loop import AgentLoop, Profile, RunState, StepEvent
 from gateway.agent.recording import StoreRecorder
 from gateway.auth import Principal
 from gateway.backends.base import Backend
@@ -68,7 +68,7 @@ class AgentService:
         return found
 
     def prepare(self, profile_name: str, messages: list[dict[str, Any]], principal: Principal, *,
-                limits: dict[str, Any] | None = None, on_event: Callable[[Event], None] | None = None,
+                limits: dict[str, Any] | None = None, on_event: Callable[[StepEvent], None] | None = None,
                 run_id: str | None = None, hold_for_approval: bool = False, source: str = AGENT,
                 metadata: dict[str, Any] | None = None) -> tuple[AgentLoop, StoreRecorder]:
         """A loop ready to run, and its recorder (whose ``start`` must be awaited first). Only a run nobody waits
@@ -84,7 +84,7 @@ class AgentService:
 
     def _loop(self, profile: Profile, state: RunState, *, tenant: str | None, key_id: str | None, source: str,
               capture: bool = True, metadata: dict[str, Any] | None = None,
-              on_event: Callable[[Event], None] | None = None,
+              on_event: Callable[[StepEvent], None] | None = None,
               hold_for_approval: bool = False) -> tuple[AgentLoop, StoreRecorder]:
         backend = self.backend_for(profile.model)
         recorder = StoreRecorder(self.store, profile=profile, backend=backend.name, tenant=tenant, key_id=key_id,

@@ -15,7 +15,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.agent.loop import EXECUTE, OBSERVE, Event, RunState
+from gateway.agent.loop import EXECUTE, OBSERVE, RunState, StepEvent
 from gateway.agent.service import AGENT_PREFIX, LIMIT_KEYS
 from gateway.api.common import json_response, read_json_body
 from gateway.api.exchange import TRAJECTORY_HEADER
@@ -35,7 +35,7 @@ def _completion(state: RunState, model: str, created: int) -> dict[str, Any]:
             "usage": h["usage"], "harness": h}
 
 
-def _progress(event: Event) -> list[dict[str, Any]]:
+def _progress(event: StepEvent) -> list[dict[str, Any]]:
     """What a client sees of a transition: the calls about to run, and their outcomes."""
     if event.state == EXECUTE:
         return [{"event": "tool_call", "step": event.step, **call} for call in event.data.get("calls", [])]

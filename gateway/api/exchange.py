@@ -136,7 +136,7 @@ async def open_exchange(request: Request, principal: Principal, body: dict[str, 
     if target.canary:
         log_fields["canary"] = target.model
     if principal.capture:
-        ref = await gateway.store.resolve(session_key=session, prefix=prefix, anchor=anchor, tenant=principal.tenant)
+        ref = await gateway.store.stitch(session_key=session, prefix=prefix, anchor=anchor, tenant=principal.tenant)
     else:
         ref = TrajectoryRef(id=new_id(), seq=0, is_new=True)
     log_fields["trajectory_id"] = ref.id

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from extras import require_extra
 from gateway.backends.base import Backend
 from gateway.config import BackendSettings
-from tools.extras import require_extra
 
 
 def build_backend(settings: BackendSettings) -> Backend:

@@ -20,7 +20,7 @@ from limits.storage import MemoryStorage
 from limits.strategies import MovingWindowRateLimiter
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from gateway.agent.loop import USER_TURN, Event, RunState, StepRecord
+from gateway.agent.loop import USER_TURN, RunState, StepEvent, StepRecord
 from gateway.agent.recording import StoreRecorder
 from gateway.agent.service import AgentService
 from gateway.auth import Principal
@@ -144,7 +144,7 @@ class BotService:
         """The user turn joins the run and the message becomes ``running`` in one commit: after a crash the
         message is either still queued (and runs again) or already in the run (which resumes)."""
         step = state.budget.steps
-        record = StepRecord(step=step, events=[Event(step, USER_TURN, {"message_id": message["id"]})])
+        record = StepRecord(step=step, events=[StepEvent(step, USER_TURN, {"message_id": message["id"]})])
         await recorder.step(state, record, also=[bot_messages.running_statement(message["id"], state.run_id),
                                                  *(also or [])])
 

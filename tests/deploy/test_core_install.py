@@ -43,7 +43,7 @@ def core_harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
-    for package in ("gateway", "tools", "replay", "training", "harness"):
+    for package in ("gateway", "extras", "tools", "replay", "training", "harness"):
         shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     _run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", root / "dist", source, cwd=root)
     (wheel,) = (root / "dist").glob("agent_harness-*.whl")

@@ -25,7 +25,7 @@ async def test_retention_sweeps_old_trajectories_at_start(tmp_path: Path) -> Non
     for text, age_days in (("ancient", 3), ("fresh", 0)):
         msgs = [{"role": "user", "content": text}]
         prefix = hashing.prefix_hashes(msgs)
-        ref = await gateway.store.resolve(session_key=None, prefix=prefix, anchor=prefix[0], tenant=None)
+        ref = await gateway.store.stitch(session_key=None, prefix=prefix, anchor=prefix[0], tenant=None)
         await gateway.store.record(CallRecord(trajectory=ref, request_messages=msgs, request_prefix=prefix,
                                               status="ok", created_at=time.time() - age_days * 86400))
     await gateway.store.close()

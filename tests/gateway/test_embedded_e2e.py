@@ -146,7 +146,7 @@ def test_a_required_or_named_tool_choice_gets_a_valid_call_on_the_real_model(emb
 def test_logprobs_on_the_real_model_are_openais_and_the_sampled_ones_recompute(embedded: GatewayProcess) -> None:
     import torch
 
-    from gateway.backends.local_model import load_model
+    from gateway.backends.local.loading import load_model
 
     client = openai.OpenAI(base_url=embedded.url + "/v1", api_key="unused", max_retries=0)
     temperature = 0.8

@@ -28,20 +28,20 @@ def router(**settings: object) -> Router[str]:
 
 
 def test_a_base_resolves_to_its_backend_without_an_adapter() -> None:
-    target = router().resolve("qwen")
+    target = router().target_for("qwen")
     assert (target.base, target.backend, target.adapter) == ("qwen", "b1", None)
 
 
 def test_base_adapter_resolves_to_the_active_version_and_a_named_version_to_itself() -> None:
     r = router()
-    assert r.resolve("qwen:sql").adapter.version == 2
-    assert r.resolve("qwen:sql@3").adapter.version == 3
-    assert r.resolve("qwen:sql@3").adapter.backend_name == "sql@3"
-    assert r.resolve("llama:chat").backend == "b2"
+    assert r.target_for("qwen:sql").adapter.version == 2
+    assert r.target_for("qwen:sql@3").adapter.version == 3
+    assert r.target_for("qwen:sql@3").adapter.backend_name == "sql@3"
+    assert r.target_for("llama:chat").backend == "b2"
 
 
 def test_names_configured_exactly_match_before_any_splitting() -> None:
-    target = router().resolve("org:model:7b")
+    target = router().target_for("org:model:7b")
     assert (target.base, target.adapter) == ("org:model:7b", None)
 
 
@@ -56,7 +56,7 @@ def test_names_configured_exactly_match_before_any_splitting() -> None:
 ])
 def test_unknown_or_unservable_names_are_404s_that_say_why(name: str, fragment: str) -> None:
     with pytest.raises(APIError) as caught:
-        router().resolve(name)
+        router().target_for(name)
     assert caught.value.status_code == 404 and caught.value.code == "model_not_found"
     assert fragment in caught.value.message
 
@@ -64,7 +64,7 @@ def test_unknown_or_unservable_names_are_404s_that_say_why(name: str, fragment: 
 def test_an_alias_stands_for_its_target() -> None:
     r = router(aliases={"support": "qwen:sql"})
     name = r.name_for("support", Caller())
-    assert name == "qwen:sql" and r.resolve(name).adapter.version == 2
+    assert name == "qwen:sql" and r.target_for(name).adapter.version == 2
 
 
 def test_defaults_apply_only_when_the_request_names_no_model_key_then_tenant_then_config() -> None:
@@ -91,7 +91,7 @@ def test_canary_share_is_within_statistical_tolerance_over_many_sessions() -> No
     share, sessions = 0.2, 4000
     r = router(aliases={"support": "qwen:sql"},
                canaries=[CanarySettings(model="qwen:sql", target="qwen:sql@3", share=share)])
-    hits = sum(r.resolve("qwen:sql", sticky=f"session-{i}").canary for i in range(sessions))
+    hits = sum(r.target_for("qwen:sql", sticky=f"session-{i}").canary for i in range(sessions))
     sigma = math.sqrt(sessions * share * (1 - share))
     assert abs(hits - sessions * share) < 4 * sigma, hits
 
@@ -99,16 +99,16 @@ def test_canary_share_is_within_statistical_tolerance_over_many_sessions() -> No
 def test_a_canary_is_sticky_per_session() -> None:
     r = router(canaries=[CanarySettings(model="qwen:sql", target="qwen:sql@3", share=0.5)])
     for i in range(50):
-        first = r.resolve("qwen:sql", sticky=f"s{i}")
-        assert all(r.resolve("qwen:sql", sticky=f"s{i}").adapter == first.adapter for _ in range(5))
-    picked = {r.resolve("qwen:sql", sticky=f"s{i}").adapter.version for i in range(50)}
+        first = r.target_for("qwen:sql", sticky=f"s{i}")
+        assert all(r.target_for("qwen:sql", sticky=f"s{i}").adapter == first.adapter for _ in range(5))
+    picked = {r.target_for("qwen:sql", sticky=f"s{i}").adapter.version for i in range(50)}
     assert picked == {2, 3}
 
 
 def test_a_canary_on_an_alias_splits_the_alias_traffic_and_lists_its_target_as_wanted() -> None:
     r = router(aliases={"support": "qwen:sql"},
                canaries=[CanarySettings(model="support", target="qwen:sql@3", share=1.0)])
-    assert r.resolve(r.name_for("support", Caller()), sticky="x").adapter.version == 3
+    assert r.target_for(r.name_for("support", Caller()), sticky="x").adapter.version == 3
     assert [v.backend_name for v in r.canary_versions()] == ["sql@3"]
 
 

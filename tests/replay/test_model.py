@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 
 from replay import feedback
-from replay.model import AgentRun, Event, Feedback, ModelCall, ToolCall, Trajectory
+from replay.model import AgentRun, Feedback, ModelCall, RunEvent, ToolCall, Trajectory
 from replay.store import TrajectoryStore
 from tests.gateway.agent.conftest import run_agent
 from tests.replay import builders as b
@@ -27,7 +27,7 @@ async def test_an_agent_run_reads_back_whole(store: TrajectoryStore) -> None:
     [tool] = t.tool_calls
     assert isinstance(tool, ToolCall) and tool.step == 0 and tool.name == "get_weather" and tool.succeeded
     assert orjson.loads(tool.result) == {"city": "Paris", "temp_c": 21} and not tool.refused
-    assert t.events and all(isinstance(e, Event) for e in t.events) and t.events[-1].state == "FINAL"
+    assert t.events and all(isinstance(e, RunEvent) for e in t.events) and t.events[-1].state == "FINAL"
     assert isinstance(t.run, AgentRun) and t.run.profile == "t" and t.run.steps == 2
     assert t.run.state["final"] == "It is 21 °C in Paris."
     assert t.feedback == [Feedback(source="user", name="thumbs", value=None, label="up", model_call_seq=1,
@@ -75,7 +75,7 @@ def test_a_stored_call_reads_its_packed_columns_without_resolving() -> None:
     assert call.reply_key == "r0" and call.body_keys == {"a", "b", "k", "r0", "r1"}
     assert call.first_completion_ids() == b"[5,6]"
     assert stored(packed_completion_ids=pack([None, [7]])).first_completion_ids() is None
-    resolved = call.resolve({"a": {"role": "user", "content": "hi"}, "b": {"role": "user", "content": "there"},
+    resolved = call.to_model_call({"a": {"role": "user", "content": "hi"}, "b": {"role": "user", "content": "there"},
                              "k": [{"type": "function"}], "r0": {"role": "assistant", "content": "x"}})
     assert resolved.messages[1]["content"] == "there" and resolved.purpose == "summary"
     assert resolved.reply == {"role": "assistant", "content": "x"} and resolved.completion_token_ids == [[5, 6], [7]]

@@ -8,14 +8,15 @@ import pytest
 from replay import hashing, keys
 from replay.records import CallRecord, WriteOp
 from replay.schema import MIGRATIONS, SCHEMA_VERSION, migrate
+from replay.settings import StoreSettings
 from replay.store import TrajectoryStore
 from replay.writer import RecordRejected
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 
 
-async def _open(path: Path, **kw) -> TrajectoryStore:
-    store = TrajectoryStore(str(path), **kw)
+async def _open(path: Path, **settings) -> TrajectoryStore:
+    store = TrajectoryStore(str(path), StoreSettings(**settings))
     await store.start()
     return store
 
@@ -29,7 +30,7 @@ def _answer(text: str) -> dict:
 async def _call(store: TrajectoryStore, messages: list[dict], answer: str, *, session: str | None = None,
                 tenant: str | None = None) -> str:
     prefix = hashing.prefix_hashes(messages)
-    ref = await store.resolve(session_key=session, prefix=prefix, anchor=prefix[hashing.anchor_index(messages)],
+    ref = await store.stitch(session_key=session, prefix=prefix, anchor=prefix[hashing.anchor_index(messages)],
                               tenant=tenant)
     await store.record(CallRecord(trajectory=ref, request_messages=messages, request_prefix=prefix, status="ok",
                                   tenant=tenant, response=_answer(answer), prompt_tokens=1, completion_tokens=1,
@@ -127,7 +128,7 @@ async def test_a_write_the_store_cannot_take_fails_alone(tmp_path: Path, fault: 
     async def one(i: int) -> str:
         messages = [{"role": "user", "content": f"q{i}"}]
         prefix = hashing.prefix_hashes(messages)
-        ref = await store.resolve(session_key=None, prefix=prefix, anchor=prefix[0], tenant=f"t{i % 3}")
+        ref = await store.stitch(session_key=None, prefix=prefix, anchor=prefix[0], tenant=f"t{i % 3}")
         rec = CallRecord(trajectory=ref, request_messages=messages, request_prefix=prefix, status="ok",
                          tenant=f"t{i % 3}", response=_answer("a"), prompt_tokens=1, completion_tokens=1)
         statements = []
@@ -208,7 +209,7 @@ async def test_n_choices_form_a_group_of_trajectories(tmp_path: Path) -> None:
     store = await _open(tmp_path / "h.db")
     messages = [{"role": "user", "content": "pick a number"}]
     prefix = hashing.prefix_hashes(messages)
-    ref = await store.resolve(session_key=None, prefix=prefix, anchor=prefix[0], tenant=None)
+    ref = await store.stitch(session_key=None, prefix=prefix, anchor=prefix[0], tenant=None)
     response = _answer("1")
     response["choices"] = [{"index": i, "message": {"role": "assistant", "content": str(i)}, "finish_reason": "stop"}
                            for i in range(3)]

@@ -22,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 from gateway.app import build_app
 from gateway.backends.base import ChatRequest, ChatResult
 from gateway.backends.local import LocalBackend
-from gateway.config import BackendSettings, Settings
+from gateway.config import BackendSettings
 from gateway.prompting import encode_prompt, hermes_tool_call_text
 from replay.filters import Filters
 from replay.importer import Conversation, build_op, import_conversations, read_file
@@ -44,6 +44,7 @@ from training.data import (
     render_example,
 )
 from training.general_data import general_conversations, general_examples, load_conversations, split_general
+from training.settings import HarnessSettings
 from training.sft import label_loss
 
 TOOLS = [{"type": "function", "function": {
@@ -282,7 +283,7 @@ async def test_rendered_rows_equal_what_the_local_backend_generated_from(
 async def gateway_app(tmp_path: Path, tiny_model_dir: Path) -> AsyncIterator[tuple[Any, list[ChatResult]]]:
     """A real gateway (in-process) on the tiny model, recording into a temp store; yields the app and every
     ChatResult its local backend returned."""
-    settings = Settings.model_validate({
+    settings = HarnessSettings.model_validate({
         "store": {"path": str(tmp_path / "harness.db")},
         "backends": [{"name": "local", "kind": "local", "model_path": str(tiny_model_dir), "models": ["tiny"],
                       "batch_wait_ms": 1}],

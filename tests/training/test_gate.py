@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from gateway.config import GateSettings
 from tests.scripted import ScriptedBackend
 from training.episodes import EPISODE_LIMITS, run_episode
 from training.gate import Decision, baselines, decide, decision_table, solver_steps
 from training.metrics import Episode, Loss
+from training.settings import GateSettings
 from training.tasks import Task, leak_filter
 from training.tasks.adversarial import POLICIES
 from training.tasks.tools_suite import ToolsSuite

@@ -50,9 +50,11 @@ def test_a_group_without_reward_spread_has_zero_advantages_and_is_flagged() -> N
 
 def test_each_step_gets_its_trajectory_advantage_plus_its_own_normalised_process_reward() -> None:
     group = Group(key="g", trajectories=[
-        Trajectory(id="a", reward=1.0, samples=[Sample([1], [2], [-0.1], seq=0), Sample([1], [3], [-0.2], seq=1)],
+        Trajectory(id="a", reward=1.0, samples=[Sample([1], [2], [-0.1], seq=0, temperature=1.0),
+                                                Sample([1], [3], [-0.2], seq=1, temperature=1.0)],
                    step_rewards={0: 1.0, 1: 0.0}),
-        Trajectory(id="b", reward=0.0, samples=[Sample([1], [4], [-0.3], seq=0)], step_rewards={0: 0.5}),
+        Trajectory(id="b", reward=0.0, samples=[Sample([1], [4], [-0.3], seq=0, temperature=1.0)],
+                   step_rewards={0: 0.5}),
     ])
     # process rewards 1, 0, 0.5: mean 0.5, sample std 0.5; normalised 1 / 0.5001 = 0.9998, -0.9998, 0
     assert process_advantages(group) == pytest.approx({("a", 0): 0.99980, ("a", 1): -0.99980, ("b", 0): 0.0},

@@ -12,10 +12,10 @@ from tests.extras import skip_without
 
 skip_without("train")
 
-from gateway.config import TrainingSettings
 from tests.models import random_lora
 from training.evaluate import Evaluator
 from training.references import ReferenceCache, reference_key, reference_report
+from training.settings import TrainingSettings
 from training.tasks import get_suite
 from training.tasks.tools_suite import ToolsSuite
 
@@ -48,7 +48,8 @@ def test_the_reference_is_evaluated_once_and_again_when_what_it_depends_on_chang
                 assert report.model == label and len(report.episodes) == len(tasks)
                 outcomes.append((label, hit, evaluated))
             first = (await reference_report(evaluator, cache, suite, tasks, None, settings, label="base"))[0]
-            again = (await real(suite, tasks, None, split="gate")).episodes  # what the cached report stands for
+            again = (await real(suite, tasks, None, split="gate", samples=settings.gate.samples,  # what the cached
+                                temperature=settings.gate.temperature)).episodes  # report stands for
             assert [dataclasses.replace(e, run_id="") for e in first.episodes] == [
                 dataclasses.replace(e, run_id="") for e in again]
             monkeypatch.setattr(ToolsSuite, "version", "changed")

@@ -21,8 +21,7 @@ skip_without("train")
 from rich.console import Console
 
 from gateway.app import build_app
-from gateway.backends.local_model import load_tokenizer
-from gateway.config import Settings
+from gateway.backends.local.loading import load_tokenizer
 from replay.adapters import AdapterRegistry
 from replay.filters import Filters
 from replay.importer import Conversation, import_conversations
@@ -36,6 +35,7 @@ from training.evaluate import Evaluator
 from training.gate import baselines, decide, solver_steps
 from training.general import GeneralCheck
 from training.replay_train import replay_train
+from training.settings import HarnessSettings
 from training.tasks import SUITES, get_suite, leak_filter, test_only_markers
 
 pytestmark = pytest.mark.integration
@@ -48,10 +48,10 @@ GENERAL = [
 
 
 @pytest.fixture
-def settings(tmp_path: Path, tiny_model_dir: Path) -> Settings:
+def settings(tmp_path: Path, tiny_model_dir: Path) -> HarnessSettings:
     general = tmp_path / "general.jsonl"
     general.write_text("".join(json.dumps({"messages": m}) + "\n" for m in GENERAL))
-    return Settings.model_validate({
+    return HarnessSettings.model_validate({
         "store": {"path": str(tmp_path / "harness.db")},
         "training": {"model_path": str(tiny_model_dir), "output_dir": str(tmp_path / "runs"), "rank": 4,
                      "alpha": 8, "epochs": 0.25, "batch_size": 8, "grad_accum": 1, "checkpoints": 2, "max_seq_len": 768,
@@ -60,7 +60,7 @@ def settings(tmp_path: Path, tiny_model_dir: Path) -> Settings:
     })
 
 
-def test_replay_train_selects_trains_validates_gates_and_registers(settings: Settings) -> None:
+def test_replay_train_selects_trains_validates_gates_and_registers(settings: HarnessSettings) -> None:
     result = asyncio.run(capture(settings, "tools", "train", attempts=0))
     assert result.demonstrations == 344
     outcome = asyncio.run(replay_train(settings, Filters(source="demo"), console=Console(quiet=True)))
@@ -93,10 +93,10 @@ def test_replay_train_selects_trains_validates_gates_and_registers(settings: Set
     assert [s["stage"] for s in orjson.loads((run / "stages.json").read_bytes())][-1] == "register"
 
 
-def test_publish_registers_publishes_and_promotes_on_a_running_gateway(capitals: Settings, tmp_path: Path,
+def test_publish_registers_publishes_and_promotes_on_a_running_gateway(capitals: HarnessSettings, tmp_path: Path,
                                                                       tiny_model_dir: Path) -> None:
     settings = capitals
-    gateway_settings = Settings.model_validate({
+    gateway_settings = HarnessSettings.model_validate({
         "store": {"path": str(tmp_path / "gateway.db")},
         "backends": [{"name": "local", "kind": "local", "model_path": str(tiny_model_dir),
                       "models": [settings.training.base_model]}],
@@ -120,7 +120,7 @@ def test_publish_registers_publishes_and_promotes_on_a_running_gateway(capitals:
     assert AdapterRegistry(settings.store.path).all() == []  # registered on the gateway, not twice
 
 
-def test_nothing_from_the_held_out_splits_reaches_the_training_rows(settings: Settings) -> None:
+def test_nothing_from_the_held_out_splits_reaches_the_training_rows(settings: HarnessSettings) -> None:
     suite = get_suite("tools")
     held_out = [suite.tasks("test")[0], suite.tasks("validation")[0]]
     tokenizer = load_tokenizer(settings.training.model_path)
@@ -149,7 +149,7 @@ def test_nothing_from_the_held_out_splits_reaches_the_training_rows(settings: Se
 
 
 @pytest.fixture
-def capitals(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> Settings:
+def capitals(settings: HarnessSettings, monkeypatch: pytest.MonkeyPatch) -> HarnessSettings:
     """The settings on the capitals suite (``tests/training/capitals.py``), trained hard enough to learn it."""
     monkeypatch.setitem(SUITES, "capitals", CapitalsSuite)
     return settings.model_copy(update={"training": settings.training.model_copy(update={
@@ -157,7 +157,7 @@ def capitals(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> Settings:
 
 
 def test_a_trained_adapter_passes_the_gate_is_promoted_and_becomes_the_next_runs_reference(
-        capitals: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+        capitals: HarnessSettings, monkeypatch: pytest.MonkeyPatch) -> None:
     settings = capitals
     asyncio.run(capture(settings, "capitals", "train", attempts=0))
     registry = AdapterRegistry(settings.store.path)
@@ -194,7 +194,7 @@ def test_a_trained_adapter_passes_the_gate_is_promoted_and_becomes_the_next_runs
     assert registry.get("capitals", 4).metrics["reference"]["model"] == "capitals@1"
 
 
-def test_expert_iteration_trains_on_the_candidates_own_clean_successes(capitals: Settings) -> None:
+def test_expert_iteration_trains_on_the_candidates_own_clean_successes(capitals: HarnessSettings) -> None:
     settings = capitals.model_copy(update={"training": capitals.training.model_copy(update={
         "expert": capitals.training.expert.model_copy(update={"rounds": 2, "tasks": 8, "samples": 3,
                                                               "epochs": 3.0})})})
@@ -219,7 +219,7 @@ def test_expert_iteration_trains_on_the_candidates_own_clean_successes(capitals:
     assert stages.count("expert") == 2 and stages.index("expert") > stages.index("validate")
 
 
-def test_a_noise_adapter_fails_the_gate(capitals: Settings, tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_a_noise_adapter_fails_the_gate(capitals: HarnessSettings, tmp_path: Path, tiny_model_dir: Path) -> None:
     training = capitals.training
     suite = get_suite("capitals")
     tasks = suite.draw("test", training.gate.tasks, seed=training.gate.seed)
@@ -228,7 +228,8 @@ def test_a_noise_adapter_fails_the_gate(capitals: Settings, tmp_path: Path, tiny
 
     async def reports() -> list:
         async with Evaluator(training) as evaluator:
-            return [await evaluator.evaluate_tasks(suite, tasks, adapter, split="gate", general=general.losses)
+            return [await evaluator.evaluate_tasks(suite, tasks, adapter, split="gate", samples=training.gate.samples,
+                                                   temperature=training.gate.temperature, general=general.losses)
                     for adapter in (None, noise)]
 
     base, bad = asyncio.run(reports())
@@ -239,13 +240,13 @@ def test_a_noise_adapter_fails_the_gate(capitals: Settings, tmp_path: Path, tiny
     assert bad.metrics["general_perplexity"] > base.metrics["general_perplexity"]
 
 
-def _rl_settings(settings: Settings, **rl: object) -> Settings:
+def _rl_settings(settings: HarnessSettings, **rl: object) -> HarnessSettings:
     return settings.model_copy(update={"training": settings.training.model_copy(update={
         "rl": settings.training.rl.model_copy(update={"tasks_per_step": 2, "group_size": 2, "eval_every": 1,
                                                       "validation_tasks": 3, "batch_size": 4, **rl})})})
 
 
-def test_rl_mode_rolls_out_trains_validates_gates_and_registers(settings: Settings) -> None:
+def test_rl_mode_rolls_out_trains_validates_gates_and_registers(settings: HarnessSettings) -> None:
     settings = _rl_settings(settings, steps=2)
     outcome = asyncio.run(replay_train(settings, Filters(source="rollout"), mode="rl", console=Console(quiet=True)))
     assert outcome.decision is not None and outcome.registered is not None
@@ -273,7 +274,7 @@ def test_rl_mode_rolls_out_trains_validates_gates_and_registers(settings: Settin
     assert rl["captured_steps"] == 2 and rl["steps"] == 2 and rl["rollouts"] == 0 and rl["groups"] == 4
 
 
-def test_sft_then_rl_starts_from_the_sft_candidate(settings: Settings) -> None:
+def test_sft_then_rl_starts_from_the_sft_candidate(settings: HarnessSettings) -> None:
     asyncio.run(capture(settings, "tools", "train", attempts=0))
     settings = _rl_settings(settings, steps=1)
     outcome = asyncio.run(replay_train(settings, Filters(source="demo"), mode="sft+rl", console=Console(quiet=True)))

@@ -16,8 +16,7 @@ skip_without("train")
 import torch
 
 from gateway.backends.local.adapters import read_rendering
-from gateway.backends.local_model import LoadedModel, load_model
-from gateway.config import RLSettings
+from gateway.backends.local.loading import LoadedModel, load_model
 from tests.models import random_lora
 from training.groups import Group, Sample, Trajectory, assign_advantages
 from training.rl import (
@@ -30,6 +29,7 @@ from training.rl import (
     train_rl,
     update,
 )
+from training.settings import RLSettings, TrainingSettings
 from training.sft import SFTConfig, wrap_lora
 
 PROMPT = [504, 2114, 314, 253, 1345, 28]
@@ -44,7 +44,8 @@ def loaded(tiny_model_dir: Path) -> LoadedModel:
 
 
 def _policy(loaded: LoadedModel, noise: float = 0.0) -> Any:
-    model = wrap_lora(loaded.model, SFTConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    model = wrap_lora(loaded.model, SFTConfig.from_settings(rank=4, alpha=8,
+                                                                     target_modules=["q_proj", "v_proj", "down_proj"]))
     if noise:
         generator = torch.Generator().manual_seed(1)
         with torch.no_grad():
@@ -63,7 +64,8 @@ def _current(model: Any, samples: list[Sample], pad_id: int) -> list[list[float]
 
 
 def test_collate_left_pads_so_completions_end_together(loaded: LoadedModel) -> None:
-    samples = [Sample(PROMPT, [7, 8, 9], [-1.0, -2.0, -3.0], seq=0), Sample(PROMPT[:3], [5], [-4.0], seq=0)]
+    samples = [Sample(PROMPT, [7, 8, 9], [-1.0, -2.0, -3.0], seq=0, temperature=1.0),
+               Sample(PROMPT[:3], [5], [-4.0], seq=0, temperature=1.0)]
     batch = collate(samples, pad_id=0)
     assert batch.input_ids.tolist() == [[*PROMPT, 7, 8, 9], [0, 0, 0, 0, 0, *PROMPT[:3], 5]]
     assert batch.targets.tolist() == [[7, 8, 9], [PROMPT[1], PROMPT[2], 5]]  # masked where not completion
@@ -82,7 +84,7 @@ def test_the_kl_reference_is_the_model_with_its_adapter_switched_off(loaded: Loa
                                                                       tiny_model_dir: Path) -> None:
     plain = load_model(str(tiny_model_dir)).model  # a separate copy: never wrapped
     model = _policy(loaded, noise=0.5)
-    batch = collate([Sample(PROMPT, [7, 8, 9, 10], [0.0] * 4, seq=0)], pad_id=0)
+    batch = collate([Sample(PROMPT, [7, 8, 9, 10], [0.0] * 4, seq=0, temperature=1.0)], pad_id=0)
     with torch.no_grad():
         base = token_logprobs(plain, batch)
         adapted = token_logprobs(model, batch)
@@ -99,7 +101,7 @@ def test_the_kl_reference_of_a_run_from_an_adapter_is_that_adapter_frozen(loaded
     start = random_lora(tiny_model_dir, tmp_path / "start", seed=3, scale=0.5)
     reference = start_reference(load_model(str(tiny_model_dir)).model, start)
     model = PeftModel.from_pretrained(loaded.model, str(start), is_trainable=True)
-    batch = collate([Sample(PROMPT, [7, 8, 9, 10], [0.0] * 4, seq=0)], pad_id=0)
+    batch = collate([Sample(PROMPT, [7, 8, 9, 10], [0.0] * 4, seq=0, temperature=1.0)], pad_id=0)
     with torch.no_grad():
         policy = token_logprobs(model, batch)
         base = reference_logprobs(model, batch)
@@ -120,10 +122,10 @@ def test_the_importance_ratio_is_against_the_captured_logprobs(loaded: LoadedMod
     model = _policy(loaded, noise=0.2)
     pad = loaded.tokenizer.pad_token_id
     completion = [11, 12, 13, 14]
-    exact = _current(model, [Sample(PROMPT, completion, [0.0] * 4, seq=0)], pad)[0]
+    exact = _current(model, [Sample(PROMPT, completion, [0.0] * 4, seq=0, temperature=1.0)], pad)[0]
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
 
-    captured = Sample(PROMPT, completion, exact, seq=0, advantage=1.0)
+    captured = Sample(PROMPT, completion, exact, seq=0, temperature=1.0, advantage=1.0)
     stats = update(model, [captured], optimizer, pad_id=pad, batch_size=4, clip=0.2, kl_coef=0.0)
     assert stats["ratio"] == pytest.approx(1.0, abs=1e-4) and stats["clip_fraction"] == 0.0
 
@@ -132,7 +134,7 @@ def test_the_importance_ratio_is_against_the_captured_logprobs(loaded: LoadedMod
     now = _current(model, [captured], pad)[0]
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.0)
-    stale = Sample(PROMPT, completion, [v - 1.0 for v in now], seq=0, advantage=1.0)
+    stale = Sample(PROMPT, completion, [v - 1.0 for v in now], seq=0, temperature=1.0, advantage=1.0)
     stats = update(model, [stale], optimizer, pad_id=pad, batch_size=4, clip=0.2, kl_coef=0.0)
     assert stats["ratio"] == pytest.approx(math.e, rel=1e-3)
     assert stats["clip_fraction"] == 1.0
@@ -166,7 +168,7 @@ def _sample(model: Any, prompt: list[int], length: int, generator: torch.Generat
             token = int(torch.multinomial(dist.exp(), 1, generator=generator))
             ids.append(token)
             logprobs.append(float(dist[token]))
-    return Sample(list(prompt), ids[len(prompt):], logprobs, seq=0)
+    return Sample(list(prompt), ids[len(prompt):], logprobs, seq=0, temperature=1.0)
 
 
 def test_a_reward_for_one_token_raises_its_probability(loaded: LoadedModel) -> None:
@@ -201,7 +203,7 @@ def _planted_run(loaded: LoadedModel, tmp_path: Path, *, steps: int, rewards: li
 
     def batches(step: int, policy: Path) -> list[Group]:
         assert (policy / "adapter_config.json").is_file()
-        samples = [Sample(PROMPT, [20 + i, 30 + i], [-5.0, -5.0], seq=0) for i in range(2)]
+        samples = [Sample(PROMPT, [20 + i, 30 + i], [-5.0, -5.0], seq=0, temperature=1.0) for i in range(2)]
         base = rewards[step - 1]
         return [Group(key=f"s{step}", trajectories=[
             Trajectory(id=f"{step}-{i}", reward=base + i, samples=[s]) for i, s in enumerate(samples)])]
@@ -210,8 +212,8 @@ def _planted_run(loaded: LoadedModel, tmp_path: Path, *, steps: int, rewards: li
         seen.append(folder)
         return validations[len(seen) - 1]
 
-    rl = RLConfig(lora=SFTConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]),
-                  rl=RLSettings(learning_rate=0.05, eval_every=2, batch_size=2, **config))
+    rl = RLConfig.from_settings(lora=SFTConfig.from_settings(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]),
+                                rl=RLSettings(learning_rate=0.05, eval_every=2, batch_size=2, **config))
     return train_rl(loaded, rl, tmp_path / "rl", steps=steps, batches=batches, validate=validate), seen
 
 
@@ -229,7 +231,8 @@ def test_rollback_restores_the_best_checkpoint_when_validation_falls(loaded: Loa
     assert result.rollbacks == 1 and result.stopped is None
     assert result.best_step == 2 and result.best == tmp_path / "rl" / "checkpoint-2"
     assert [f.name for f in seen] == ["checkpoint-0", "checkpoint-2", "checkpoint-4", "checkpoint-6"]
-    assert all(read_rendering(folder) == "hermes" for folder in seen)  # a fresh policy: the configured rendering
+    # a fresh policy: the configured rendering
+    assert all(read_rendering(folder) == TrainingSettings().tool_rendering for folder in seen)
     # After the rollback at step 4 the weights were checkpoint 2's: step 5 started from them, so checkpoint 4
     # (saved before the rollback) differs from what training continued with.
     from peft import load_peft_weights

@@ -17,8 +17,8 @@ skip_without("train")
 import torch
 
 from gateway.backends.local.adapters import write_rendering
-from gateway.backends.local_model import load_model, load_tokenizer
-from gateway.config import RewardSettings, Settings
+from gateway.backends.local.loading import load_model, load_tokenizer
+from gateway.config import RewardSettings
 from replay import feedback
 from replay.filters import Filters
 from replay.records import WriteOp
@@ -32,6 +32,7 @@ from training.evaluate import Evaluator
 from training.metrics import Episode
 from training.rl import collate, token_logprobs
 from training.rollouts import Rollouts, TaskPicker, groups_from_store, with_fault
+from training.settings import HarnessSettings
 from training.tasks import get_suite
 from training.tasks.base import FAULT_KINDS
 
@@ -92,7 +93,7 @@ async def test_groups_from_the_store_count_what_they_cannot_use_and_credit_each_
 
     weights = signal_weights(RewardSettings())
     groups, stats = await groups_from_store(store, [solved, failed, other, alone, no_logprobs, partner], weights,
-                                            base_model="base-m")
+                                            base_model="base-m", outcome="success")
     assert (stats.trajectories, stats.groups, stats.other_model, stats.without_logprobs) == (6, 1, 1, 1)
     assert stats.without_siblings == 2  # alone, and partner whose sibling had no log-probabilities
     (group,) = groups
@@ -116,7 +117,7 @@ async def test_groups_from_the_store_count_what_they_cannot_use_and_credit_each_
 @pytest.mark.integration
 def test_rollouts_are_recorded_grouped_scored_and_carry_the_policys_own_logprobs(tmp_path: Path,
                                                                               tiny_model_dir: Path) -> None:
-    settings = Settings.model_validate({
+    settings = HarnessSettings.model_validate({
         "store": {"path": str(tmp_path / "harness.db")},
         # Unconstrained: under a grammar mask the captured log-probabilities are of the masked distribution.
         "training": {"model_path": str(tiny_model_dir), "eval_max_tokens": 6, "eval_concurrency": 8,
@@ -181,9 +182,9 @@ def test_on_the_embedded_model_the_captured_logprobs_are_what_training_computes(
     from training.sft import SFTConfig, load_base, wrap_lora
 
     loaded = load_base()
-    model = wrap_lora(loaded.model, SFTConfig())  # a fresh adapter: the policy is the base, through peft
+    model = wrap_lora(loaded.model, SFTConfig.from_settings())  # a fresh adapter: the policy is the base, through peft
     model.save_pretrained(str(tmp_path / "policy"), save_embedding_layers=False)
-    settings = Settings.model_validate({
+    settings = HarnessSettings.model_validate({
         "store": {"path": str(tmp_path / "harness.db")},
         "training": {"eval_max_tokens": 24, "eval_concurrency": 4, "constrain_tool_calls": False,
                      "rl": {"tasks_per_step": 2, "group_size": 2, "temperature": 1.0}}})

@@ -20,10 +20,11 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 from gateway.backends.base import ChatRequest
 from gateway.backends.local import LocalBackend
 from gateway.backends.local.adapters import read_rendering
-from gateway.config import BackendSettings, TrainingSettings
+from gateway.config import BackendSettings
 from training.batches import Batch, pad_batch, perplexity
 from training.data import IGNORE, Example
 from training.general_data import general_examples
+from training.settings import TrainingSettings
 from training.sft import (
     SFTConfig,
     checkpoint_steps,
@@ -47,8 +48,9 @@ def examples(smol_tokenizer: PreTrainedTokenizerBase) -> list[Example]:
 
 def tiny_config(**overrides: Any) -> SFTConfig:
     settings = dict(base_model="tiny", rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
-                    learning_rate=5e-3, epochs=3.0, batch_size=4, grad_accum=1, checkpoints=2, seed=0, log_every=2)
-    return SFTConfig(**{**settings, **overrides})
+                    learning_rate=5e-3, epochs=3.0, batch_size=4, grad_accum=1, checkpoints=2, seed=0, log_every=2,
+                    gradient_checkpointing=True, rendering="hermes")
+    return SFTConfig.from_settings(**{**settings, **overrides})
 
 
 def test_masked_lm_loss_matches_the_models_own_loss(tiny_model_dir: Path, examples: list[Example],
@@ -233,7 +235,8 @@ def test_a_few_steps_on_the_embedded_model_lower_the_loss(smol_tokenizer: PreTra
     rows = general_examples(smol_tokenizer, [
         [{"role": "user", "content": f"Code word for day {i}?"},
          {"role": "assistant", "content": f"PELICAN-{i}."}] for i in range(4)], 128)
-    config = SFTConfig(rank=8, alpha=16.0, learning_rate=2e-3, epochs=2.0, batch_size=2, checkpoints=1, seed=0)
+    config = SFTConfig.from_settings(rank=8, alpha=16.0, learning_rate=2e-3, epochs=2.0, batch_size=2, grad_accum=1,
+                                     checkpoints=1, seed=0, gradient_checkpointing=True)
     result = train_sft(None, rows, config, tmp_path / "run")  # None: the embedded model, from its cache
     assert len(result.losses) == 4
     assert result.losses[-1] < 0.5 * result.losses[0]

@@ -26,7 +26,7 @@ from tools.context import ToolContext
 from tools.executor import ToolOutcome
 from tools.registry import ToolRegistry
 from tools.spec import ToolSpec
-from tools.toolbox import Toolbox as ToolsToolbox
+from tools.toolbox import Toolbox
 
 SPLITS = ("train", "validation", "test")
 FAULT_KINDS = ("timeout", "empty", "error")
@@ -92,13 +92,13 @@ def fault_outcome(spec: ToolSpec, kind: str) -> ToolOutcome:
 
 
 class TaskToolbox:
-    """One episode's tools (satisfies ``gateway.agent.loop.Toolbox``), with the task's fault injected.
+    """One episode's tools (satisfies ``gateway.agent.loop.AllowedTools``), with the task's fault injected.
 
     ``executed`` lists every call as ``(name, arguments, outcome, injected)``, for evaluators that
     count failures and recoveries.
     """
 
-    def __init__(self, inner: ToolsToolbox, fault: Fault | None = None) -> None:
+    def __init__(self, inner: Toolbox, fault: Fault | None = None) -> None:
         self.inner = inner
         self.fault = fault
         self.counts: dict[str, int] = {}
@@ -269,7 +269,7 @@ class Suite(ABC):
 
     def toolbox(self, task: Task) -> TaskToolbox:
         """A fresh toolbox for one episode of ``task``: its tools, bound to ``context()``, fault injected."""
-        return TaskToolbox(ToolsToolbox(self.registry(), self.context(), task.tools), task.fault)
+        return TaskToolbox(Toolbox(self.registry(), self.context(), task.tools), task.fault)
 
     def verify(self, task: Task, final: str | None, messages: list[dict[str, Any]]) -> bool:
         """Whether the episode succeeded, judged on its final answer (see ``check_final``)."""

@@ -35,7 +35,8 @@ from gateway.backends.base import (
 from gateway.backends.local.adapters import Adapter, lora_config, read_rendering
 from gateway.backends.local.engine import Engine
 from gateway.backends.local.grammar import answer_schema, compile_grammar
-from gateway.backends.local.jobs import Event, Job, Token
+from gateway.backends.local.jobs import Job, JobEvent, Token
+from gateway.backends.local.loading import LoadedModel, ModelLoadError, load_model
 from gateway.backends.local.prefix_cache import PrefixCache, PrefixStats
 from gateway.backends.local.replies import (
     Events,
@@ -49,7 +50,6 @@ from gateway.backends.local.replies import (
 )
 from gateway.backends.local.request import check_parameters, tools_for
 from gateway.backends.local.sampling import SamplingParams, invalid_request
-from gateway.backends.local_model import LoadedModel, ModelLoadError, load_model
 from gateway.config import BackendSettings
 from gateway.prompting import encode_prompt
 
@@ -285,7 +285,7 @@ class LocalBackend:
         loop = asyncio.get_running_loop()
         queue: Events = asyncio.Queue()
 
-        def deliver(events: list[Event]) -> None:
+        def deliver(events: list[JobEvent]) -> None:
             with suppress(RuntimeError):  # the loop is gone: nobody is waiting any more
                 loop.call_soon_threadsafe(queue.put_nowait, events)
 

@@ -35,12 +35,12 @@ from gateway.backends.base import AdapterNotLoaded, BackendError
 from gateway.backends.local.adapters import Adapter, LoraModel
 from gateway.backends.local.grammar import Constraint, Masks, tokenizer_for
 from gateway.backends.local.heap import map_large_allocations
-from gateway.backends.local.jobs import Event, Failure, Finish, Job, Op, Token
+from gateway.backends.local.jobs import Failure, Finish, Job, JobEvent, Op, Token
 from gateway.backends.local.kv import ATTENTION, BatchCache, capacity, zeros
+from gateway.backends.local.loading import LoadedModel
 from gateway.backends.local.prefix_cache import Key, Layers, Prefix, PrefixCache
 from gateway.backends.local.sampling import Choice, choose, generators, shape_logits
 from gateway.backends.local.text import TextTracker
-from gateway.backends.local_model import LoadedModel
 
 if TYPE_CHECKING:
     from llguidance import LLTokenizer
@@ -371,7 +371,7 @@ class Engine:
         """Sample a token for every row, hand it out, drop finished rows, run the next forward pass."""
         assert self._logits is not None and self._mask is not None and self._cache is not None
         choices = self._choose(self._logits)
-        events: dict[Job, list[Event]] = {}
+        events: dict[Job, list[JobEvent]] = {}
         keep: list[int] = []
         for i, row in enumerate(self._rows):
             job = row.job

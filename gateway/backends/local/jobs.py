@@ -42,7 +42,7 @@ class Failure:
     error: BackendError
 
 
-Event = Token | Finish | Failure
+JobEvent = Token | Finish | Failure  # what the engine delivers to a job, step by step
 
 
 @dataclass(eq=False)
@@ -54,7 +54,7 @@ class Job:
 
     prompt_ids: list[int]
     params: SamplingParams
-    deliver: Callable[[list[Event]], None]  # called on the engine thread
+    deliver: Callable[[list[JobEvent]], None]  # called on the engine thread
     adapter: Adapter | None = None  # None: the base model
     tenant: str | None = None  # whose prompts its cached keys and values may be shared with
     cancelled: bool = False  # set from any thread; the engine drops the job at its next step

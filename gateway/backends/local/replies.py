@@ -14,7 +14,7 @@ from llguidance import LLTokenizer
 
 from gateway.agent.parsing import ToolCallStreamFilter, parse_tool_calls
 from gateway.backends.base import CallExtras
-from gateway.backends.local.jobs import Event, Failure, Finish, Job, Token
+from gateway.backends.local.jobs import Failure, Finish, Job, JobEvent, Token
 from gateway.backends.local.sampling import SamplingParams
 
 
@@ -23,7 +23,7 @@ class Cancelled:
     """Posted by the request itself so a consumer blocked on the queue wakes up and ends."""
 
 
-Events = asyncio.Queue[list[Event | Cancelled]]  # one request's events, in the engine's lists per step
+Events = asyncio.Queue[list[JobEvent | Cancelled]]  # one request's events, in the engine's lists per step
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ async def test_invalid_arguments_then_corrected(store) -> None:
 
 
 async def test_an_integer_wider_than_64_bits_is_an_invalid_call_not_a_crash(store) -> None:
-    # JSON allows it and "broken" takes any object, but the store and the repeat guard take 64-bit integers.
+    # JSON allows it and "broken" takes any object, but the store and the limiter's repeat check take 64-bit integers.
     wide = "1" + "0" * 30
     state, _, box = await run_agent(store, [call("broken", f'{{"n": {wide}, "items": [1, -{wide}]}}'),
                                             call("get_weather", {"city": "Paris"}), "21 °C"])

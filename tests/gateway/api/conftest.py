@@ -1,47 +1,13 @@
-"""A real gateway app on a loopback port whose model is a scripted stand-in (tests/scripted.py)."""
+"""The ``served`` fixture: a gateway from tests/gateway/api/support.py, scripted to compute with the calculator."""
 
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from gateway.app import build_app
-from gateway.config import load_settings
-from tests.scripted import SCRIPTED_BACKEND, ScriptedBackend, call, serve_scripted
-from tests.standin import ServerThread
-
-CONFIG = """
-[store]
-path = "{db}"
-""" + SCRIPTED_BACKEND + """
-[[profiles]]
-name = "calc"
-model = "scripted-model"
-system_prompt = "You compute."
-tools = ["calculator"]
-max_steps = 5
-"""
-
-
-def _script() -> list:
-    return [call("calculator", {"expression": "6*7"}), "The answer is 42."]
-
-
-class Served:
-    def __init__(self, url: str, backend: ScriptedBackend, app) -> None:
-        self.url, self.backend, self.app = url, backend, app
-
-
-def serve(tmp_path: Path, script: list) -> Iterator[Served]:
-    cfg = tmp_path / "h.toml"
-    cfg.write_text(CONFIG.format(db=tmp_path / "h.db"))
-    app = build_app(load_settings(cfg, environ={}))
-    backend = ScriptedBackend(script)
-    serve_scripted(app, backend)
-    with ServerThread(app, lifespan="on") as server:
-        yield Served(server.url, backend, app)
+from tests.gateway.api.support import Served, calculator_script, serve
 
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[Served]:
-    yield from serve(tmp_path, _script() * 10)  # enough for several runs
+    yield from serve(tmp_path, calculator_script() * 10)  # enough for several runs

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.api.conftest import Served
+from tests.gateway.api.support import Served
 
 pytestmark = pytest.mark.integration
 

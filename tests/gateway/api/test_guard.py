@@ -6,7 +6,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.gateway.api.conftest import serve
+from tests.gateway.api.support import serve
 from tests.scripted import call
 
 pytestmark = pytest.mark.integration

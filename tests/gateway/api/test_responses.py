@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from gateway.backends.base import BackendError
-from tests.gateway.api.conftest import serve
+from tests.gateway.api.support import serve
 from tests.scripted import call
 
 pytestmark = pytest.mark.integration

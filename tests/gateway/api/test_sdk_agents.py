@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gateway.api.conftest import serve
+from tests.gateway.api.support import serve
 
 pytestmark = pytest.mark.integration
 

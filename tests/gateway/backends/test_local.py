@@ -19,14 +19,14 @@ from transformers import PreTrainedTokenizerBase
 
 from gateway.backends.base import BackendError, BackendUnavailable, ChatRequest, ChatResult
 from gateway.backends.local import LocalBackend
-from gateway.backends.local.text import TextTracker as _TextTracker
-from gateway.backends.local_model import (
+from gateway.backends.local.loading import (
     ModelLoadError,
     _fingerprint,
     cache_folder,
     embedded_model_file,
     load_model,
 )
+from gateway.backends.local.text import TextTracker as _TextTracker
 from gateway.config import BackendSettings
 from gateway.prompting import encode_prompt
 from tests.gateway.backends.conftest import script as _script

@@ -17,9 +17,9 @@ import torch
 
 from gateway.backends.local import engine as engine_module
 from gateway.backends.local.engine import Engine
-from gateway.backends.local.jobs import Event, Failure, Finish, Job, Token
+from gateway.backends.local.jobs import Failure, Finish, Job, JobEvent, Token
+from gateway.backends.local.loading import LoadedModel, load_model
 from gateway.backends.local.sampling import SamplingParams
-from gateway.backends.local_model import LoadedModel, load_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)  # ignore_eos: the random model must not end a sequence early
 
@@ -33,11 +33,11 @@ class _Inbox:
     """One job's delivered events; called on the engine thread and read after it has been joined."""
 
     def __init__(self, cancel_after: int | None = None) -> None:
-        self.events: list[Event] = []
+        self.events: list[JobEvent] = []
         self.job: Job | None = None
         self._cancel_after = cancel_after
 
-    def __call__(self, events: list[Event]) -> None:
+    def __call__(self, events: list[JobEvent]) -> None:
         self.events.extend(events)
         if self._cancel_after is not None and len(self.tokens) >= self._cancel_after:
             assert self.job is not None

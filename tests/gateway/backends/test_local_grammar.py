@@ -21,8 +21,8 @@ from transformers import PreTrainedTokenizerBase
 from gateway.backends.base import BackendError, ChatRequest
 from gateway.backends.local import LocalBackend, grammar
 from gateway.backends.local.grammar import matcher, output_grammar, tokenizer_for
+from gateway.backends.local.loading import load_model
 from gateway.backends.local.sampling import SamplingParams, shape_logits
-from gateway.backends.local_model import load_model
 from gateway.prompting import encode_prompt
 from tests.gateway.backends.conftest import script
 

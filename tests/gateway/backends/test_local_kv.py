@@ -17,10 +17,10 @@ from transformers import AutoModelForCausalLM
 
 from gateway.backends.local.engine import Engine
 from gateway.backends.local.heap import map_large_allocations
-from gateway.backends.local.jobs import Event, Finish, Job, Token
+from gateway.backends.local.jobs import Finish, Job, JobEvent, Token
 from gateway.backends.local.kv import BLOCK, MAPPED, BatchCache, zeros
+from gateway.backends.local.loading import load_model
 from gateway.backends.local.sampling import SamplingParams
-from gateway.backends.local_model import load_model
 
 SHAPE = (2, 3, 4)  # rows, heads, head dim (positions go between heads and head dim)
 
@@ -109,7 +109,7 @@ def test_the_engine_decodes_as_transformers_does_across_reallocations(tiny_model
     finishes: list[str] = []
 
     def job(name: str) -> Job:
-        def deliver(events: list[Event]) -> None:
+        def deliver(events: list[JobEvent]) -> None:
             tokens[name].extend(e.token_id for e in events if isinstance(e, Token))
             finishes.extend(e.reason for e in events if isinstance(e, Finish))
             if name == "long" and len(tokens[name]) == 20:  # the short one joins the running batch

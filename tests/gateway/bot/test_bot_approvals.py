@@ -13,7 +13,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.gateway.bot.conftest import Receiver, bot_gateway
+from tests.gateway.bot.support import Receiver, bot_gateway
 from tests.processes import ROOT
 from tests.scripted import call
 from tests.standin import ServerThread

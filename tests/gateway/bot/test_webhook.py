@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from gateway.bot.signing import signed_headers, verify
-from tests.gateway.bot.conftest import SECRET, Receiver, bot_gateway
+from tests.gateway.bot.support import SECRET, Receiver, bot_gateway
 from tests.standin import ServerThread
 
 pytestmark = pytest.mark.integration

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from extras import EXTRA_MODULES
 from replay.store import TrajectoryStore
 from tools.context import ToolContext
-from tools.extras import EXTRA_MODULES
 from tools.spec import ToolError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def harness_without(modules: tuple[str, ...], *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

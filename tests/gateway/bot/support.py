@@ -1,5 +1,5 @@
-"""A real gateway app on a loopback port with the bot configured, thinking with a scripted stand-in model, and a
-loopback receiver for callbacks that fails as often as a test asks."""
+"""For the bot tests and bench/bot.py: a real gateway app on a loopback port with the bot configured, thinking with a
+scripted stand-in model, and a loopback receiver for callbacks that fails as often as a test asks."""
 
 from __future__ import annotations
 

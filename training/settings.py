@@ -1,0 +1,169 @@
+"""The ``[training]`` section and its ``[training.gate]``, ``[training.expert]`` and ``[training.rl]`` tables, which the
+training package owns, and ``HarnessSettings``: the gateway's settings with ``[training]`` added on top.
+
+The composition sits here, not in ``gateway/config.py``, because dependencies run one way: the gateway never
+needs to know training's settings, while ``harness serve`` and ``harness replay-train`` read one file holding
+all of them. ``gateway.config.load_settings(..., model=HarnessSettings)`` loads it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from gateway.config import DEFAULT_MODEL_NAME, Settings
+from gateway.prompting import Rendering
+from tools.settings import Section
+
+
+class GateSettings(Section):
+    """Whether a candidate replaces the reference (the active adapter, else the base): both are evaluated on the
+    same gate tasks, drawn with a fixed seed from the suite's test templates, and compared by one-sided bounds."""
+
+    tasks: int = Field(100, gt=0, description="Gate tasks drawn from the test templates (at least 100, or at "
+                       "least 40 with 3 samples each).")
+    samples: int = Field(1, gt=0, description="Episodes per gate task and model (above 1: sampled at "
+                         "``temperature``; a task's success is then the share of its samples that succeeded).")
+    temperature: float = Field(0.7, gt=0, le=2, description="Sampling temperature when ``samples`` is above 1 "
+                               "(one sample is greedy).")
+    seed: int = Field(0, description="Seed of the gate tasks' draw and of the bootstrap.")
+    confidence: float = Field(0.95, gt=0.5, lt=1, description="Confidence of each one-sided bound.")
+    resamples: int = Field(10_000, ge=1000, description="Bootstrap resamples of the paired tasks.")
+    min_faulted: int = Field(20, gt=0, description="Gate tasks with an injected tool fault the draw includes at "
+                             "least; recovery is judged on them pooled.")
+    invalid_call_rate: float = Field(0.05, ge=0, description="Largest rise in the invalid tool-call rate the "
+                                     "upper bound may show.")
+    general_perplexity: float = Field(0.05, ge=0, description="Largest relative rise in perplexity on held-out "
+                                      "general data the upper bound may show (0.05 = 5%).")
+    recovery_rate: float = Field(0.1, ge=0, description="Largest drop in success after a tool fault the lower "
+                                 "bound may show.")
+    mean_steps: float = Field(1.0, ge=0, description="Largest rise in steps beyond the solver's, on tasks both "
+                              "solved, the upper bound may show.")
+
+    @model_validator(mode="after")
+    def _enough_tasks(self) -> GateSettings:
+        if self.tasks < 100 and not (self.tasks >= 40 and self.samples >= 3):
+            raise ValueError(f"the gate needs at least 100 tasks, or at least 40 tasks with 3 samples each "
+                             f"(got {self.tasks} tasks x {self.samples} samples): fewer cannot tell a real "
+                             "improvement from noise")
+        return self
+
+
+class ExpertSettings(Section):
+    """Expert iteration after SFT (``replay-train --mode sft|sft+rl``): the model's own verified, clean episodes on
+    the train tasks it fails greedily, trained on, round after round."""
+
+    rounds: int = Field(0, ge=0, description="Rounds after SFT (0: none).")
+    tasks: int = Field(64, gt=0, description="Train tasks each round screens with one greedy episode (in turn "
+                       "through the split).")
+    samples: int = Field(4, gt=0, description="Episodes per screened task the greedy episode failed, sampled at "
+                         "``temperature``.")
+    temperature: float = Field(0.7, gt=0, le=2, description="Sampling temperature of the episodes.")
+    epochs: float = Field(2.0, gt=0, description="Passes over a round's rows: its kept episodes, the replayed "
+                          "demonstrations and general rows at ``general_share``.")
+    learning_rate: float = Field(2e-4, gt=0, description="Learning rate of a round's training, which starts from a "
+                                 "trained adapter: SFT's own rate undid it.")
+    replay: float = Field(3.0, ge=0, description="Rows of SFT's demonstrations mixed into a round per kept "
+                          "episode's row, so a round adds to what SFT taught instead of training over it.")
+
+
+class RLSettings(Section):
+    """Group-relative RL on LoRA (``replay-train --mode rl|sft+rl``): rollouts, the update, validation."""
+
+    algorithm: Literal["grpo", "rloo"] = Field("rloo", description="How a group's rewards become advantages: "
+                                               "rloo (reward minus the mean of the others: unscaled) or grpo "
+                                               "(scaled by the group's std, so a tiny spread among failures "
+                                               "weighs as much as success against failure).")
+    outcome: Literal["success", "total"] = Field("success", description="A trajectory's outcome reward: its "
+                                                 "verified task success where known (else the reward total), or "
+                                                 "the reward engine's total (validity and efficiency included).")
+    steps: int = Field(20, ge=0, description="Online steps: each rolls out a batch of groups and updates on it "
+                       "(0: only the captured groups the filters select).")
+    tasks_per_step: int = Field(8, gt=0, description="Tasks (groups) per step, chosen of similar difficulty.")
+    group_size: int = Field(8, ge=2, description="Rollouts per task in a group.")
+    temperature: float = Field(1.0, gt=0, le=2, description="Sampling temperature of the rollouts.")
+    fault_rate: float = Field(0.2, ge=0, le=1, description="Share of groups whose tools get an injected fault "
+                              "(timeout, empty result or error) on their first call, so recovery is practised.")
+    learning_rate: float = Field(5e-5, gt=0, description="Learning rate of the RL updates (constant).")
+    batch_size: int = Field(4, gt=0, description="Model calls per micro-batch; a step's calls all make one update.")
+    updates_per_batch: int = Field(1, gt=0, description="Optimizer steps on each batch of rollouts; beyond the "
+                                   "first the clipped importance ratio keeps the policy near the rollouts'.")
+    clip: float = Field(0.2, gt=0, lt=1, description="Importance ratios are clipped to [1 - clip, 1 + clip].")
+    kl_coef: float = Field(0.04, ge=0, description="Weight of the KL penalty to the policy RL starts from (frozen; "
+                           "the base when it starts from a fresh adapter).")
+    process_coef: float = Field(0.0, ge=0, description="Weight of each step's own process reward (normalised "
+                                "within the group) beside the trajectory's advantage; 0: validity guards (the "
+                                "reward-hacking alarm), it is not a reward to farm.")
+    eval_every: int = Field(5, gt=0, description="Steps between validations (each saves a checkpoint).")
+    validation_tasks: int = Field(0, ge=0, description="Validation tasks per validation, spread over the split "
+                                  "(0: all of it).")
+    rollback_margin: float = Field(0.05, ge=0, description="A validation success or valid-call rate this far "
+                                   "below the best checkpoint's rolls the adapter back to it.")
+    max_rollbacks: int = Field(3, ge=0, description="Rollbacks before the run stops.")
+    alarm_reward_rise: float = Field(0.05, ge=0, description="Reward-hacking alarm: a rise in mean training "
+                                     "reward since the last validation of more than this ...")
+    alarm_drop: float = Field(0.05, ge=0, description="... while validation valid-call rate or success fell "
+                              "by more than this stops the run.")
+
+
+class TrainingSettings(Section):
+    base_model: str = Field(DEFAULT_MODEL_NAME, description="The served base model adapters are trained for.")
+    model_path: str | None = Field(None, description="Weights to train on: a GGUF or checkpoint folder; default "
+                                   "the embedded model.")
+    output_dir: str = Field("runs", description="Where training runs write checkpoints, metrics and plots.")
+    tasks_dir: str = Field("~/.cache/agent-harness/tasks", description="Where task suites keep the fixture "
+                           "databases their tools read (made on first use).")
+    rank: int = Field(16, gt=0, description="LoRA rank.")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha (scale = alpha / rank).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Modules LoRA adapts.")
+    learning_rate: float = Field(2e-3, gt=0, description="Peak learning rate (linear warm-up, then cosine decay).")
+    epochs: float = Field(1.0, gt=0, description="Passes over the training rows.")
+    batch_size: int = Field(4, gt=0, description="Rows per micro-batch.")
+    grad_accum: int = Field(2, gt=0, description="Micro-batches per optimizer step.")
+    gradient_checkpointing: bool = Field(False, description="Recompute each layer's activations during the backward "
+                                         "pass instead of keeping them: a fraction of the memory for about a third "
+                                         "more compute, and no prompt shared across a batch (SFT and RL).")
+    max_seq_len: int = Field(1024, gt=0, description="Rows longer than this are cut from the left of the prompt.")
+    map_large_allocations: bool = Field(False, description="Have glibc map every allocation of 1 MiB or more "
+                                        "while training and evaluating ([[backends]] map_large_allocations): "
+                                        "peak RSS falls (4 rows of 512 tokens: 7.7 GB to 4.6 GB) but a CPU "
+                                        "training step takes about a third longer, from the page faults.")
+    tool_rendering: Rendering = Field("compact", description="How tool specs are written into training "
+                                      "prompts ('hermes' or 'compact', as [[backends]] tool_rendering); recorded "
+                                      "in each adapter folder (rendering.json), which is served the same way.")
+    checkpoints: int = Field(1, gt=0, description="Checkpoints saved per run, evenly spaced; validation picks one "
+                             "when there are several.")
+    seed: int = Field(0, description="Seed for shuffling, mixing and initialisation.")
+    min_recovered_share: float = Field(0.2, ge=0, le=1, description="Least share of rows from trajectories that "
+                                       "recovered after a failed tool call (repeated to reach it).")
+    general_share: float = Field(0.1, ge=0, lt=1, description="Share of rows from general data, against forgetting.")
+    general_data: str | None = Field(None, description="A JSONL file of chat conversations for the general rows "
+                                     "and check; default the base model's own answers to prompts shipped "
+                                     "with the project.")
+    suite: str = Field("tools", description="The task suite replay-train evaluates and gates on.")
+    eval_concurrency: int = Field(8, gt=0, description="Episodes run at once during evaluation.")
+    eval_max_tokens: int = Field(160, gt=0, description="Most tokens the model may write per step in an evaluation "
+                                 "episode.")
+    episode_timeout_seconds: float = Field(600.0, ge=0, description="Wall-clock limit of one episode (evaluation, "
+                                           "gate, capture's attempts, expert iteration, RL rollouts): past it the "
+                                           "episode is cancelled and counts as a failure (0: none).")
+    constrain_tool_calls: bool = Field(True, description="Hold every tool call the model opens in an episode "
+                                       "(evaluation, gate, expert iteration, RL rollouts) to a call of an offered "
+                                       "tool with valid arguments, as a [[profiles]] constrain_tool_calls does "
+                                       "when serving.")
+    gate: GateSettings = Field(default_factory=GateSettings, description="[training.gate]: the gate's tasks, "
+                               "bounds and margins, below.")
+    expert: ExpertSettings = Field(default_factory=ExpertSettings, description="[training.expert]: expert "
+                                   "iteration after SFT, below.")
+    rl: RLSettings = Field(default_factory=RLSettings, description="[training.rl]: group-relative RL (--mode rl "
+                           "and sft+rl), below.")
+
+
+class HarnessSettings(Settings):
+    """Everything one config file holds: the gateway's sections and ``[training]``."""
+
+    training: TrainingSettings = Field(default_factory=TrainingSettings)
