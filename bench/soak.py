@@ -29,6 +29,7 @@ import json
 import os
 import random
 import sqlite3
+import subprocess
 import sys
 import tempfile
 import threading
@@ -140,6 +141,24 @@ class Run:
                 self.errors[(kind, outcome)] += 1
 
 
+def _fd_targets(pid: int) -> Counter[str]:
+    """What each open descriptor is (a socket, a file), counted: the extra ones after the traffic are named."""
+    targets: Counter[str] = Counter()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        targets["socket" if target.startswith("socket:") else target] += 1
+    return targets
+
+
+def _sockets(pid: int) -> list[str]:
+    """The process's TCP sockets as ``ss`` lists them (state, local and peer address)."""
+    listed = subprocess.run(["ss", "-tanp"], capture_output=True, text=True, check=False).stdout
+    return [" ".join(line.split()[:1] + line.split()[3:5]) for line in listed.splitlines() if f"pid={pid}," in line]
+
+
 def _rss_and_fds(pid: int) -> tuple[int, int]:
     status = Path(f"/proc/{pid}/status").read_text()
     rss_kb = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
@@ -234,6 +253,7 @@ def soak(target: Target, minutes: float, clients: int, workdir: Path) -> dict[st
                 _one(client, proc.url, target.model, kind, random.Random(0))
         time.sleep(2)
         _, baseline_fds = _rss_and_fds(pid)
+        baseline_targets = _fd_targets(pid)
         run = Run()
         stop = threading.Event()
         threads = [threading.Thread(target=_client_loop, args=(proc.url, target.model, target.name, run, stop, i),
@@ -254,6 +274,14 @@ def soak(target: Target, minutes: float, clients: int, workdir: Path) -> dict[st
         settle = time.monotonic() + 30
         while (fds_after := _rss_and_fds(pid)[1]) > baseline_fds and time.monotonic() < settle:
             time.sleep(1)
+        extra = _fd_targets(pid) - baseline_targets
+        sockets = _sockets(pid) if extra["socket"] else []
+        # An upstream connection the upstream closed while it sat idle in the gateway's pool (CLOSE-WAIT) is let
+        # go only when the pool is next used: one more request tells such a socket from a leaked one.
+        with httpx.Client(timeout=60) as client:
+            _one(client, proc.url, target.model, "plain", random.Random(0))
+        time.sleep(1)
+        fds_next = _rss_and_fds(pid)[1]
     finally:
         proc.stop()
     integrity = asyncio.run(_integrity(proc.db))
@@ -267,6 +295,7 @@ def soak(target: Target, minutes: float, clients: int, workdir: Path) -> dict[st
             "samples": run.samples, "rss_minute_2": at_two, "rss_end": run.samples[-1][1],
             "rss_growth": growth, "rss_flat": growth <= 0.10,
             "fds_baseline": baseline_fds, "fds_after": fds_after, "fds_back": fds_after <= baseline_fds,
+            "fds_extra": dict(extra), "sockets_after": sockets, "fds_after_next_request": fds_next,
             "integrity": integrity, "acknowledged": len(run.acked), "lost": lost}
 
 
@@ -350,6 +379,9 @@ def main() -> None:
         console.print(f"{r['target']} outcomes: {r['outcomes']}")
         if r["errors"]:
             console.print(f"[red]{r['target']} unexpected: {r['errors']}[/red]")
+        if r["fds_extra"]:
+            console.print(f"{r['target']} descriptors above the baseline: {r['fds_extra']}; TCP: {r['sockets_after']}; "
+                          f"after one more request: {r['fds_after_next_request']} (baseline {r['fds_baseline']})")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "soak.json").write_text(json.dumps(results, indent=1))
     _plot(results, args.out / "soak.png")

@@ -29,7 +29,6 @@ from gateway.config import Settings
 from gateway.errors import APIError, error_response
 from gateway.metrics import Metrics
 from gateway.routing import Caller, Router
-from gateway.streaming import ClientDisconnected
 from replay.adapters import AdapterRegistry
 from replay.store import TrajectoryStore
 from tools.context import ToolContext
@@ -257,7 +256,7 @@ def build_app(settings: Settings) -> Starlette:
         routes=routes,
         lifespan=lifespan,
         exception_handlers={404: _not_found, 405: _method_not_allowed, APIError: _api_error,
-                            ClientDisconnected: _client_gone, ClientDisconnect: _client_gone,
+                            ClientDisconnect: _client_gone,
                             Exception: _internal_error},
     )
     app.state.gateway = gateway

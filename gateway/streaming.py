@@ -10,19 +10,16 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
 
 
-class ClientDisconnected(Exception):
-    """The client closed its connection before its answer was ready; the work was cancelled."""
-
-
 async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
     """``work``'s result, computed in this task; if the client disconnects first, the work is cancelled and
-    ``ClientDisconnected`` raised. Call it once the request body has been read: ``receive`` then only ever
-    answers ``http.disconnect``."""
+    Starlette's ``ClientDisconnect`` raised, as a read of the body raises it. Call it once the request body has
+    been read: ``receive`` then only ever answers ``http.disconnect``."""
     task = asyncio.current_task()
     assert task is not None
     gone = False
@@ -39,7 +36,7 @@ async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
         return await work
     except asyncio.CancelledError:
         if gone and task.uncancel() == 0:
-            raise ClientDisconnected() from None
+            raise ClientDisconnect() from None
         raise
     finally:
         watcher.cancel()

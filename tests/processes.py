@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -90,3 +91,19 @@ max_retries = 2
 {backend}
 {extra}
 """
+
+
+def harness_cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``harness ARGS --config CONFIG``, as an operator runs it beside the gateway (this checkout's code)."""
+    return subprocess.run([sys.executable, "-m", "harness.main", *args, "--config", str(config)],
+                          cwd=config.parent, capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+
+
+def create_key(config: Path, tenant: str, *extra: str) -> tuple[str, str]:
+    """A key of ``tenant`` made with ``harness keys create``: (its id, its secret)."""
+    out = harness_cli(config, "keys", "create", "--tenant", tenant, *extra)
+    assert out.returncode == 0, out.stderr
+    key_id, secret = re.search(r"id:\s+(\S+)", out.stdout), re.search(r"key:\s+(sk-harness-\S+)", out.stdout)
+    assert key_id and secret, out.stdout
+    return key_id.group(1), secret.group(1)

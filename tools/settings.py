@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import ipaddress
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -25,6 +25,12 @@ class Section(BaseModel):
     """A settings section: unknown keys are errors, so a misspelt key never passes silently."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @classmethod
+    def default_of(cls, name: str) -> Any:
+        """The section's default for ``name``: what code that is handed no section takes, so that the default is
+        declared here alone."""
+        return cls.model_fields[name].get_default(call_default_factory=True)
 
 
 def _check_networks(value: list[str]) -> list[str]:

@@ -13,7 +13,7 @@ from tools.settings import ToolsSettings
 
 # A tool's result is cut past this many characters unless its spec says otherwise: [tools] output_cap's default,
 # which the built-in tools take from the settings themselves.
-OUTPUT_CAP: int = ToolsSettings.model_fields["output_cap"].default
+OUTPUT_CAP: int = ToolsSettings.default_of("output_cap")
 
 if TYPE_CHECKING:
     from tools.context import ToolContext

@@ -16,12 +16,6 @@ from gateway.config import ProfileSettings
 from replay.vocabulary import DEADLINE, LOOP_DETECTED, MAX_STEPS, MAX_TOTAL_TOKENS, TOOL_FAILURES
 
 
-def profile_default(name: str) -> Any:
-    """``[[profiles]]``' default for ``name``: a profile built in code (a test, a training episode) gets the
-    limits a configured one gets, from the one place they are declared."""
-    return ProfileSettings.model_fields[name].get_default(call_default_factory=True)
-
-
 class Termination(Exception):
     """The run must stop; ``reason`` is one of the names above."""
 
@@ -33,13 +27,15 @@ class Termination(Exception):
 
 @dataclass(frozen=True)
 class Limits:
-    """0 (or None) switches a limit off."""
+    """0 (or None) switches a limit off. Built in code (a test, a training episode) it has the limits a configured
+    ``[[profiles]]`` entry has by default."""
 
-    max_steps: int = profile_default("max_steps")
-    max_total_tokens: int = profile_default("max_total_tokens")
-    deadline_seconds: float = profile_default("deadline_seconds")
-    max_consecutive_tool_failures: int = profile_default("max_consecutive_tool_failures")
-    max_repeats: int = profile_default("max_repeats")  # the same call, not back to back, before it is refused
+    max_steps: int = ProfileSettings.default_of("max_steps")
+    max_total_tokens: int = ProfileSettings.default_of("max_total_tokens")
+    deadline_seconds: float = ProfileSettings.default_of("deadline_seconds")
+    max_consecutive_tool_failures: int = ProfileSettings.default_of("max_consecutive_tool_failures")
+    # the same call, not back to back, before it is refused
+    max_repeats: int = ProfileSettings.default_of("max_repeats")
 
     def tightened(self, **overrides: Any) -> Limits:
         """A request may tighten its profile's limits, never loosen them."""

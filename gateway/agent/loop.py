@@ -23,10 +23,11 @@ from typing import Any, Protocol
 import structlog
 
 from gateway.agent import context as ctx
-from gateway.agent.limits import Budget, Limiter, Limits, Termination, call_signature, profile_default
+from gateway.agent.limits import Budget, Limiter, Limits, Termination, call_signature
 from gateway.agent.parsing import parse_message
 from gateway.agent.validation import CheckedCall, check_call
 from gateway.backends.base import Backend, BackendError, ChatRequest, ChatResult
+from gateway.config import ProfileSettings
 from replay.approvals import APPROVED, EXPIRED
 from replay.records import new_id
 from replay.vocabulary import BACKEND_ERROR, CLIENT_DISCONNECTED, DEADLINE
@@ -67,14 +68,14 @@ class AllowedTools(Protocol):
 class Profile:
     name: str
     model: str
-    system_prompt: str = profile_default("system_prompt")
-    tools: list[str] = field(default_factory=lambda: profile_default("tools"))
+    system_prompt: str = ProfileSettings.default_of("system_prompt")
+    tools: list[str] = field(default_factory=lambda: ProfileSettings.default_of("tools"))
     limits: Limits = field(default_factory=Limits)
-    context_budget_tokens: int = profile_default("context_budget_tokens")  # 0: never summarize
-    keep_last_turns: int = profile_default("keep_last_turns")
-    temperature: float | None = profile_default("temperature")
-    max_tokens: int | None = profile_default("max_tokens")
-    constrain_tool_calls: bool = profile_default("constrain_tool_calls")
+    context_budget_tokens: int = ProfileSettings.default_of("context_budget_tokens")  # 0: never summarize
+    keep_last_turns: int = ProfileSettings.default_of("keep_last_turns")
+    temperature: float | None = ProfileSettings.default_of("temperature")
+    max_tokens: int | None = ProfileSettings.default_of("max_tokens")
+    constrain_tool_calls: bool = ProfileSettings.default_of("constrain_tool_calls")
 
 
 @dataclass

@@ -26,8 +26,8 @@ class StoreRecorder:
         self.source = source
         self.capture = capture
         # None: [tools] approval_expiry_seconds' own default, the only one
-        self.approval_expiry_seconds = (ToolsSettings().approval_expiry_seconds if approval_expiry_seconds is None
-                                        else approval_expiry_seconds)
+        self.approval_expiry_seconds = (ToolsSettings.default_of("approval_expiry_seconds")
+                                        if approval_expiry_seconds is None else approval_expiry_seconds)
         self.metadata = metadata
 
     async def start(self, state: RunState) -> None:

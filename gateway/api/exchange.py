@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from gateway.agent import guard
 from gateway.agent.validation import function_schemas
@@ -22,7 +22,7 @@ from gateway.backends.base import Backend, BackendError, ChatRequest, ChatResult
 from gateway.errors import APIError
 from gateway.protocol.chat import ChatCompletionRequest, ChunkAccumulator, carries_output
 from gateway.routing import Target
-from gateway.streaming import ClientDisconnected, unless_disconnected
+from gateway.streaming import unless_disconnected
 from replay import hashing
 from replay.records import CallRecord, Statement, TrajectoryRef, WriteOp, new_id
 from replay.writer import RecordRejected
@@ -167,7 +167,7 @@ async def complete(request: Request, exchange: Exchange,
         records.append(exchange.record(status="error", error=exc.message))
         await _save(request, exchange, records)
         raise as_api_error(exc, exchange) from None
-    except ClientDisconnected:
+    except ClientDisconnect:
         _record_disconnect(request, exchange, [*records, exchange.record(
             status="client_disconnected", error="the client closed the connection before the answer")])
         raise

@@ -1,9 +1,6 @@
 """API keys, tenants, the admin key and the loopback-only open mode, on a real gateway process."""
 
-import re
 import sqlite3
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -12,26 +9,12 @@ import openai
 import pytest
 
 from replay import keys
-from tests.processes import ROOT, GatewayProcess, upstream_config
+from tests.processes import GatewayProcess, create_key, harness_cli, upstream_config
 
 pytestmark = pytest.mark.integration
 
 MODEL = "stand-in-model"
 ADMIN = "admin-secret-for-tests"
-
-
-def _harness(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "harness.main", *args, "--config", str(config)],
-                          cwd=config.parent, capture_output=True, text=True, timeout=60,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
-
-
-def _new_key(config: Path, tenant: str, *extra: str) -> tuple[str, str]:
-    out = _harness(config, "keys", "create", "--tenant", tenant, *extra)
-    assert out.returncode == 0, out.stderr
-    key_id = re.search(r"id:\s+(\S+)", out.stdout).group(1)
-    secret = re.search(r"key:\s+(sk-harness-\S+)", out.stdout).group(1)
-    return key_id, secret
 
 
 CACHE_SECONDS = 1.0
@@ -41,8 +24,8 @@ CACHE_SECONDS = 1.0
 def keyed(standin, tmp_path: Path):
     config = upstream_config(standin[1], extra=f"[server]\nauth_cache_seconds = {CACHE_SECONDS}\n")
     gw = GatewayProcess(config, tmp_path, env={"HARNESS_ADMIN_KEY": ADMIN})
-    keys = {"acme": _new_key(gw.config, "acme"), "globex": _new_key(gw.config, "globex"),
-            "quiet": _new_key(gw.config, "acme", "--no-capture")}
+    keys = {"acme": create_key(gw.config, "acme"), "globex": create_key(gw.config, "globex"),
+            "quiet": create_key(gw.config, "acme", "--no-capture")}
     gw.start()
     yield gw, keys
     gw.stop()
@@ -98,7 +81,7 @@ def test_revoked_key_stops_working(keyed) -> None:
     """Within the cache time: a revoked key keeps working at most that long."""
     gw, keys = keyed
     assert _chat(gw, keys["globex"][1]).status_code == 200
-    out = _harness(gw.config, "keys", "revoke", keys["globex"][0])
+    out = harness_cli(gw.config, "keys", "revoke", keys["globex"][0])
     assert out.returncode == 0, out.stderr
     revoked = time.monotonic()
     while time.monotonic() - revoked < CACHE_SECONDS + 5 and _chat(gw, keys["globex"][1]).status_code == 200:
@@ -106,14 +89,14 @@ def test_revoked_key_stops_working(keyed) -> None:
     honoured = time.monotonic() - revoked
     assert _chat(gw, keys["globex"][1]).status_code == 401
     assert honoured < CACHE_SECONDS + 0.5, f"a revoked key kept working for {honoured:.2f} s"
-    listed = _harness(gw.config, "keys", "list", "--json")
+    listed = harness_cli(gw.config, "keys", "list", "--json")
     assert '"revoked_at":null' in listed.stdout and keys["globex"][0] in listed.stdout
 
 
 def test_revoking_every_key_never_reopens_the_gateway(keyed) -> None:
     gw, keys = keyed
     for key_id, _ in keys.values():
-        assert _harness(gw.config, "keys", "revoke", key_id).returncode == 0
+        assert harness_cli(gw.config, "keys", "revoke", key_id).returncode == 0
     time.sleep(CACHE_SECONDS + 0.2)
 
     def refused() -> None:
@@ -134,7 +117,7 @@ def test_open_gateway_refuses_to_bind_beyond_loopback(tmp_path: Path) -> None:
     config = tmp_path / "h.toml"
     config.write_text('[store]\npath = "h.db"\n[server]\nhost = "0.0.0.0"\n[[backends]]\nname = "u"\n'
                       'kind = "openai"\nbase_url = "http://127.0.0.1:9/v1"\nmodels = ["m"]\n')
-    out = _harness(config, "serve")
+    out = harness_cli(config, "serve")
     assert out.returncode == 2
     assert "refusing to bind 0.0.0.0" in out.stderr
 
@@ -169,7 +152,7 @@ def test_feedback_goes_to_ones_own_trajectories_and_becomes_task_success(keyed) 
                             "ORDER BY created_at", (acme,)).fetchall()
     assert rows == [("user", "thumbs", 0.0, "down", "wrong total"), ("user", "score", 0.9, None, None)]
 
-    out = _harness(gw.config, "replay", "rewards")
+    out = harness_cli(gw.config, "replay", "rewards")
     assert out.returncode == 0, out.stderr
     with sqlite3.connect(gw.db) as conn:
         success = conn.execute("SELECT value FROM feedback WHERE trajectory_id = ? AND source = 'reward_engine' "
@@ -201,7 +184,7 @@ async def test_open_mode_is_loopback_only_and_ends_with_the_first_key(store) -> 
 def test_metrics_can_require_a_key(standin, tmp_path: Path, mode: str) -> None:
     config = upstream_config(standin[1], extra=f'[server]\nmetrics_auth = "{mode}"\n')
     gw = GatewayProcess(config, tmp_path, env={"HARNESS_ADMIN_KEY": ADMIN})
-    _, secret = _new_key(gw.config, "acme")
+    _, secret = create_key(gw.config, "acme")
     gw.start()
     try:
         def scrape(key: str | None) -> int:

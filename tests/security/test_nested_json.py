@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.processes import GatewayProcess, upstream_config
-from tests.security.support import new_key, stored_calls
+from tests.processes import GatewayProcess, create_key, upstream_config
+from tests.security.support import stored_calls
 
 pytestmark = pytest.mark.integration
 
@@ -42,7 +42,7 @@ def tenants(standin, tmp_path_factory: pytest.TempPathFactory):
     # Commits wait a little so that concurrent exchanges share batches, as they do under load.
     config = upstream_config(standin[1], store="commit_delay_ms = 20")
     gw = GatewayProcess(config, tmp_path_factory.mktemp("nested"))
-    keys = {"attacker": new_key(gw.config, "attacker"), "victim": new_key(gw.config, "victim")}
+    keys = {"attacker": create_key(gw.config, "attacker")[1], "victim": create_key(gw.config, "victim")[1]}
     gw.start()
     yield gw, keys
     gw.stop()

@@ -11,8 +11,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.processes import GatewayProcess
-from tests.security.support import new_key
+from tests.processes import GatewayProcess, create_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -26,7 +25,7 @@ SECRET_PROMPT = ("You are the assistant of Acme Corp. The launch code is 4471-ZE
 def tenants(tmp_path_factory: pytest.TempPathFactory):
     gw = GatewayProcess('[store]\npath = "harness.db"\n', tmp_path_factory.mktemp("prefix"),
                         env={"HARNESS_ADMIN_KEY": ADMIN})
-    keys = {"a": new_key(gw.config, "acme"), "b": new_key(gw.config, "globex")}
+    keys = {"a": create_key(gw.config, "acme")[1], "b": create_key(gw.config, "globex")[1]}
     gw.start(timeout=300)
     yield gw, keys
     gw.stop()

@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tests.processes import GatewayProcess, upstream_config
-from tests.security.support import new_key
+from tests.processes import GatewayProcess, create_key, upstream_config
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +39,7 @@ def gateway_and_key(standin, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     extra = (f"[server]\nmax_connections = {MAX_CONNECTIONS}\nmax_connections_per_client = {PER_CLIENT}\n"
              f"body_timeout = {BODY_TIMEOUT}\nhead_timeout = {HEAD_TIMEOUT}\n")
     gw = GatewayProcess(upstream_config(standin[1], extra=extra), tmp_path_factory.mktemp("slow-body"))
-    key = new_key(gw.config, "acme")  # a key exists, so a request without one is refused
+    key = create_key(gw.config, "acme")[1]  # a key exists, so a request without one is refused
     gw.start()
     yield gw, key
     gw.stop()

@@ -34,7 +34,6 @@ log = structlog.get_logger(__name__)
 _WORKER_SCRIPT = Path(__file__).with_name("sql_worker.py")
 # The worker interrupts a statement at its own deadline; only if it has not answered this much later is it killed.
 _GRACE = 2.0
-_DEFAULTS = ToolsSettings()
 
 
 class _Broken(Exception):
@@ -187,7 +186,8 @@ def _close_pools() -> None:
 
 
 def run_query(database: str, query: str, *, timeout: float, max_rows: int, max_bytes: int,
-              max_memory_mb: int = _DEFAULTS.sql_max_memory_mb, workers: int = _DEFAULTS.sql_workers,
+              max_memory_mb: int = ToolsSettings.default_of("sql_max_memory_mb"),
+              workers: int = ToolsSettings.default_of("sql_workers"),
               ) -> dict[str, Any]:
     """Runs one read-only statement in a worker process; blocking, so callers run it in a thread."""
     request = {"database": database, "query": query, "timeout": timeout, "max_rows": max_rows,
