@@ -30,6 +30,7 @@ from gateway.errors import APIError, error_response
 from gateway.metrics import Metrics
 from gateway.routing import Caller, Router
 from replay.adapters import AdapterRegistry
+from replay.database import redact_url
 from replay.store import TrajectoryStore
 from tools.context import ToolContext
 from tools.registry import default_registry
@@ -46,7 +47,7 @@ class Gateway:
         self.settings = settings
         s = settings.store
         self.metrics = Metrics(queue_depth=lambda: self.store.queue_depth)
-        self.store = TrajectoryStore(s.path, s, on_commit=self.metrics.observe_commit)
+        self.store = TrajectoryStore(s.location, s, on_commit=self.metrics.observe_commit)
         self.auth = Authenticator(self.store, settings.server.admin_key, loopback=is_loopback(settings.server.host),
                                   cache_seconds=settings.server.auth_cache_seconds)
         self.backends: list[Backend] = [build_backend(b) for b in settings.backends]
@@ -57,7 +58,7 @@ class Gateway:
                 self.model_map.setdefault(model, backend)
         self.background: set[asyncio.Task[Any]] = set()
         self.cancel_on_stop: set[asyncio.Task[Any]] = set()
-        registry = AdapterRegistry(s.path)
+        registry = AdapterRegistry(s.location)
         self.router: Router[Backend] = Router(settings.routing, self.model_map,
                                               snapshot=lambda: self.adapter_manager.snapshot,
                                               lease=lambda target: self.adapter_manager.lease(target))
@@ -114,7 +115,7 @@ class Gateway:
         self.spawn(self._approvals_loop(self.settings.tools.approval_poll_seconds), cancel_on_stop=True)
         if self.settings.store.retention_days:
             self.spawn(self._retention_loop(self.settings.store.retention_days), cancel_on_stop=True)
-        log.info("gateway.started", models=sorted(self.model_map), store=self.settings.store.path)
+        log.info("gateway.started", models=sorted(self.model_map), store=redact_url(self.settings.store.location))
 
     async def stop(self) -> None:
         for task in list(self.cancel_on_stop):

@@ -39,7 +39,7 @@ PathArgument = typer.Argument(..., help="The adapter folder (adapter_config.json
 
 def _local(config: str | None, action: Callable[[AdapterService], Awaitable[T]]) -> T:
     settings = settings_or_exit(config)
-    service = AdapterService(AdapterRegistry(settings.store.path), settings.routing.adapters_dir,
+    service = AdapterService(AdapterRegistry(settings.store.location), settings.routing.adapters_dir,
                              settings.routing.max_upload_bytes)
     try:
         return asyncio.run(action(service))

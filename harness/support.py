@@ -77,7 +77,7 @@ def with_store(settings: HarnessSettings, fn: Callable[[TrajectoryStore], Awaita
     """Run ``fn`` on the configured store, opened for it and closed after."""
 
     async def run() -> T:
-        store = TrajectoryStore(settings.store.path, settings.store)
+        store = TrajectoryStore(settings.store.location, settings.store)
         await store.start()
         try:
             return await fn(store)

@@ -60,7 +60,7 @@ def adapter_folder(settings: HarnessSettings, model: str) -> str | None:
         if not (Path(model) / "adapter_config.json").is_file():
             fail(f"{model} is not an adapter folder: it has no adapter_config.json", 2)
         return str(Path(model).resolve())
-    registry = AdapterRegistry(settings.store.path)
+    registry = AdapterRegistry(settings.store.location)
     try:
         name, version = parse_ref(model)
         if version is None:

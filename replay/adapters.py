@@ -1,9 +1,10 @@
-"""The adapter registry: every version of every LoRA adapter, in the store's SQLite file.
+"""The adapter registry: every version of every LoRA adapter, in the store (its SQLite file or PostgreSQL database).
 
 Statuses: ``candidate`` (registered; servable by its explicit ``@version``), ``active`` (what
 ``base:adapter`` resolves to; at most one per name) and ``retired`` (never served again). ``published``
 versions are kept loaded in every backend serving their base. Operations are short transactions on their
-own connection (``BEGIN IMMEDIATE``), so the gateway and the CLI can change the same registry safely.
+own connection (SQLite's ``BEGIN IMMEDIATE``, PostgreSQL's advisory lock), so gateways and the CLI can change the
+same registry safely.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any, TypeVar
 
 import orjson
 
-from replay.schema import migrate
+from replay.database import PostgresConnection, is_postgres
+from replay.schema import migrate, migrate_postgres
 
 T = TypeVar("T")
 
@@ -74,7 +76,7 @@ def parse_ref(ref: str) -> tuple[str, int | None]:
     return check_name(name), int(version) if sep else None
 
 
-def _row(row: sqlite3.Row) -> AdapterVersion:
+def _row(row: Any) -> AdapterVersion:
     return AdapterVersion(
         name=row["name"], version=row["version"], base_model=row["base_model"], path=row["path"],
         status=row["status"], published=bool(row["published"]),
@@ -82,13 +84,22 @@ def _row(row: sqlite3.Row) -> AdapterVersion:
         uploaded=bool(row["uploaded"]), created_at=row["created_at"], activated_at=row["activated_at"])
 
 
+# The advisory lock registry changes take on PostgreSQL.
+_REGISTRY_LOCK = 0x61_64_61_70
+
+
 class AdapterRegistry:
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, location: str) -> None:
+        """The registry in the store at ``location``: an SQLite file or a ``postgresql://`` URL."""
+        self.path = location
         self._migrated = False
 
     @contextmanager
-    def _connect(self) -> Iterator[sqlite3.Connection]:
+    def _connect(self) -> Iterator[Any]:
+        if is_postgres(self.path):
+            with self._connect_postgres() as pg:
+                yield pg
+            return
         conn = sqlite3.connect(self.path, isolation_level=None, timeout=10.0)
         try:
             conn.execute("PRAGMA journal_mode=WAL")
@@ -101,9 +112,23 @@ class AdapterRegistry:
         finally:
             conn.close()
 
-    def _transaction(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    @contextmanager
+    def _connect_postgres(self) -> Iterator[PostgresConnection]:
+        conn = PostgresConnection(self.path)
+        try:
+            if not self._migrated:
+                migrate_postgres(conn.conn)
+                self._migrated = True
+            yield conn
+        finally:
+            conn.close()
+
+    def _transaction(self, fn: Callable[[Any], T]) -> T:
         with self._connect() as conn:
-            conn.execute("BEGIN IMMEDIATE")
+            if isinstance(conn, PostgresConnection):
+                conn.begin_exclusive(_REGISTRY_LOCK)
+            else:
+                conn.execute("BEGIN IMMEDIATE")
             try:
                 result = fn(conn)
             except BaseException:
@@ -144,7 +169,7 @@ class AdapterRegistry:
         if not base_model:
             raise RegistryError("an adapter needs the base model it was trained on", code="invalid_base_model")
 
-        def run(conn: sqlite3.Connection) -> AdapterVersion:
+        def run(conn: Any) -> AdapterVersion:
             (latest,) = conn.execute("SELECT COALESCE(MAX(version), 0) FROM adapters WHERE name = ?",
                                      (name,)).fetchone()
             others = conn.execute("SELECT DISTINCT base_model FROM adapters WHERE name = ?", (name,)).fetchall()
@@ -169,7 +194,7 @@ class AdapterRegistry:
 
     def publish(self, name: str, version: int | None = None) -> AdapterVersion:
         """Mark a version to be loaded everywhere its base is served (the newest when none is named)."""
-        def run(conn: sqlite3.Connection) -> AdapterVersion:
+        def run(conn: Any) -> AdapterVersion:
             found = _get(conn, name, version)
             _refuse_retired(found, "publish")
             _update(conn, found, published=1)
@@ -179,7 +204,7 @@ class AdapterRegistry:
 
     def promote(self, name: str, version: int) -> tuple[AdapterVersion, AdapterVersion | None]:
         """Make ``version`` the one ``base:name`` resolves to; returns it and the version it replaced."""
-        def run(conn: sqlite3.Connection) -> tuple[AdapterVersion, AdapterVersion | None]:
+        def run(conn: Any) -> tuple[AdapterVersion, AdapterVersion | None]:
             found = _get(conn, name, version)
             _refuse_retired(found, "promote")
             old = _active(conn, name)
@@ -195,7 +220,7 @@ class AdapterRegistry:
     def rollback(self, name: str) -> tuple[AdapterVersion, AdapterVersion]:
         """Re-activate the version that was active before the current one; returns (restored, demoted).
         The demoted version forgets it was active, so rolling back again goes one further back."""
-        def run(conn: sqlite3.Connection) -> tuple[AdapterVersion, AdapterVersion]:
+        def run(conn: Any) -> tuple[AdapterVersion, AdapterVersion]:
             current = _active(conn, name)
             if current is None:
                 _get(conn, name, None)  # 404 when the name is unknown
@@ -215,7 +240,7 @@ class AdapterRegistry:
         return self._transaction(run)
 
     def retire(self, name: str, version: int) -> AdapterVersion:
-        def run(conn: sqlite3.Connection) -> AdapterVersion:
+        def run(conn: Any) -> AdapterVersion:
             found = _get(conn, name, version)
             _update(conn, found, status="retired", published=0)
             return _get(conn, name, version)
@@ -223,7 +248,7 @@ class AdapterRegistry:
         return self._transaction(run)
 
     def set_metrics(self, name: str, version: int, metrics: dict[str, Any]) -> AdapterVersion:
-        def run(conn: sqlite3.Connection) -> AdapterVersion:
+        def run(conn: Any) -> AdapterVersion:
             found = _get(conn, name, version)
             _update(conn, found, metrics=orjson.dumps({**(found.metrics or {}), **metrics}).decode())
             return _get(conn, name, version)
@@ -231,7 +256,7 @@ class AdapterRegistry:
         return self._transaction(run)
 
 
-def _get(conn: sqlite3.Connection, name: str, version: int | None) -> AdapterVersion:
+def _get(conn: Any, name: str, version: int | None) -> AdapterVersion:
     if version is None:
         row = conn.execute("SELECT * FROM adapters WHERE name = ? ORDER BY version DESC LIMIT 1", (name,)).fetchone()
     else:
@@ -242,7 +267,7 @@ def _get(conn: sqlite3.Connection, name: str, version: int | None) -> AdapterVer
     return _row(row)
 
 
-def _active(conn: sqlite3.Connection, name: str) -> AdapterVersion | None:
+def _active(conn: Any, name: str) -> AdapterVersion | None:
     row = conn.execute("SELECT * FROM adapters WHERE name = ? AND status = 'active'", (name,)).fetchone()
     return _row(row) if row else None
 
@@ -253,7 +278,7 @@ def _refuse_retired(found: AdapterVersion, action: str) -> None:
                             code="adapter_retired")
 
 
-def _update(conn: sqlite3.Connection, found: AdapterVersion, **fields: Any) -> None:
+def _update(conn: Any, found: AdapterVersion, **fields: Any) -> None:
     columns = ", ".join(f"{k} = ?" for k in fields)
     conn.execute(f"UPDATE adapters SET {columns}, updated_at = ? WHERE name = ? AND version = ?",
                  (*fields.values(), time.time(), found.name, found.version))

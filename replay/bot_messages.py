@@ -35,8 +35,9 @@ async def add(store: TrajectoryStore, *, platform: str, external_id: str | None,
     """Store a new message as ``queued``; None when the platform already sent one with this external id."""
     now = time.time()
     added = await store._change_returning(
-        """INSERT OR IGNORE INTO bot_messages(id, platform, external_id, conversation_id, user_id, text, callback_url,
-               status, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING *""",
+        """INSERT INTO bot_messages(id, platform, external_id, conversation_id, user_id, text, callback_url,
+               status, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+           ON CONFLICT DO NOTHING RETURNING *""",
         (new_id(), platform, external_id, conversation_id, user_id, text, callback_url, QUEUED, now, now))
     return added[0] if added else None
 

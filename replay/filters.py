@@ -74,8 +74,8 @@ class Filters:
         if self.tenant is not None:
             add(f"{p}tenant = ?", self.tenant)
         if self.ids is not None:
-            add(f"{p}id IN ({', '.join('?' * len(self.ids))})" if self.ids else "0", *self.ids)
-        return (" AND ".join(clauses) or "1"), args
+            add(f"{p}id IN ({', '.join('?' * len(self.ids))})" if self.ids else "1 = 0", *self.ids)
+        return (" AND ".join(clauses) or "1 = 1"), args
 
     @classmethod
     def names(cls) -> list[str]:

@@ -21,7 +21,8 @@ async def create(store: TrajectoryStore, *, tenant: str, name: str | None, captu
         ("INSERT INTO api_keys(id, hash, tenant, name, capture, created_at, default_model, "
          "allow_model_override) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
          (key_id, secret_hash, tenant, name, int(capture), now, default_model, int(allow_model_override))),
-        ("INSERT OR IGNORE INTO store_facts(name, value, set_at) VALUES ('keys_created', '1', ?)", (now,))])
+        ("INSERT INTO store_facts(name, value, set_at) VALUES ('keys_created', '1', ?) ON CONFLICT DO NOTHING",
+         (now,))])
     return key_id
 
 
@@ -51,5 +52,6 @@ async def claim_nonce(store: TrajectoryStore, nonce: str, *, now: float, keep_se
     """Record a signed request's nonce; False when it was seen within ``keep_seconds`` (a replay). Older nonces
     are forgotten: their timestamps are outside any window a signature is accepted in."""
     counts = await store._change([("DELETE FROM bot_nonces WHERE seen_at < ?", (now - keep_seconds,)),
-                                  ("INSERT OR IGNORE INTO bot_nonces(nonce, seen_at) VALUES (?, ?)", (nonce, now))])
+                                  ("INSERT INTO bot_nonces(nonce, seen_at) VALUES (?, ?) ON CONFLICT DO NOTHING",
+                                   (nonce, now))])
     return counts[1] == 1

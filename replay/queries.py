@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import aiosqlite
 import orjson
 
+from replay.database import Database
 from replay.model import AgentRun, Feedback, ModelCall, RunEvent, StoredCall, ToolCall, Trajectory, content_text
 
 _SUMMARY_FIELDS = ("id", "source", "status", "created_at", "updated_at", "tenant", "key_id", "session_key",
@@ -17,25 +17,25 @@ _SUMMARY_FIELDS = ("id", "source", "status", "created_at", "updated_at", "tenant
                    "latency_ms", "final_reward")
 
 
-# Every read is one call on the connection's thread (execute_fetchall), never an execute and a fetch queued
-# apart: a request's statement must not join another's unfinished read, whose WAL snapshot predates commits
-# since (a run just created would read as missing).
-
-
-def _first(rows: Iterable[aiosqlite.Row]) -> aiosqlite.Row | None:
+def _first(rows: Iterable[Any]) -> Any | None:
     return next(iter(rows), None)
 
 
-def _summary(row: aiosqlite.Row) -> dict[str, Any]:
+def _summary(row: Any) -> dict[str, Any]:
     fields = {name: row[name] for name in _SUMMARY_FIELDS}
     fields["metadata"] = orjson.loads(row["metadata"]) if row["metadata"] else None
     return fields
 
 
-async def listing(db: aiosqlite.Connection, *, tenant: str | None, all_tenants: bool, limit: int,
-                  before: str | None) -> list[Trajectory]:
-    """Trajectories newest first, without their calls."""
-    where, args = [], []
+async def listing(db: Database, *, tenant: str | None, all_tenants: bool, limit: int,
+                  before: str | None, matching: tuple[str, Any] | None = None) -> list[Trajectory]:
+    """Trajectories newest first, without their calls; with ``matching`` (a query of trajectory ids and its
+    argument), only those it names."""
+    where: list[str] = []
+    args: list[Any] = []
+    if matching is not None:
+        where.append(f"id IN ({matching[0]})")
+        args.append(matching[1])
     if not all_tenants:
         where.append("tenant IS ?")
         args.append(tenant)
@@ -43,14 +43,14 @@ async def listing(db: aiosqlite.Connection, *, tenant: str | None, all_tenants: 
         where.append("id < ?")
         args.append(before)
     sql = "SELECT * FROM trajectories" + (" WHERE " + " AND ".join(where) if where else "")
-    return [Trajectory(**_summary(r)) for r in await db.execute_fetchall(sql + " ORDER BY id DESC LIMIT ?",
+    return [Trajectory(**_summary(r)) for r in await db.fetchall(sql + " ORDER BY id DESC LIMIT ?",
                                                                          (*args, limit))]
 
 
-async def trajectory(db: aiosqlite.Connection, trajectory_id: str, *, tenant: str | None,
+async def trajectory(db: Database, trajectory_id: str, *, tenant: str | None,
                      all_tenants: bool) -> Trajectory | None:
     """A trajectory whole: its calls (message bodies in place), tool calls, events, feedback and run."""
-    row = _first(await db.execute_fetchall("SELECT * FROM trajectories WHERE id = ?", (trajectory_id,)))
+    row = _first(await db.fetchall("SELECT * FROM trajectories WHERE id = ?", (trajectory_id,)))
     if row is None or (not all_tenants and row["tenant"] != tenant):
         return None
     calls = await _calls(db, trajectory_id)
@@ -78,32 +78,32 @@ def stored_call(row: Sequence[Any]) -> StoredCall:
                       completion_tokens=completion_tokens, latency_ms=latency_ms, ttft_ms=ttft_ms)
 
 
-async def _calls(db: aiosqlite.Connection, trajectory_id: str) -> list[ModelCall]:
-    stored = [stored_call(r) for r in await db.execute_fetchall(
+async def _calls(db: Database, trajectory_id: str) -> list[ModelCall]:
+    stored = [stored_call(r) for r in await db.fetchall(
         f"SELECT {CALL_COLUMNS} FROM model_calls WHERE trajectory_id = ? ORDER BY seq, created_at", (trajectory_id,))]
     bodies = await blobs(db, {k for c in stored for k in c.body_keys})
     return [c.to_model_call(bodies) for c in stored]
 
 
-async def blobs(db: aiosqlite.Connection, keys: Iterable[str]) -> dict[str, Any]:
+async def blobs(db: Database, keys: Iterable[str]) -> dict[str, Any]:
     keys = list(keys)
     out: dict[str, Any] = {}
     for i in range(0, len(keys), 500):
         chunk = keys[i:i + 500]
         marks = ",".join("?" * len(chunk))
-        for h, body in await db.execute_fetchall(f"SELECT hash, body FROM blobs WHERE hash IN ({marks})", chunk):
+        for h, body in await db.fetchall(f"SELECT hash, body FROM blobs WHERE hash IN ({marks})", chunk):
             out[h] = orjson.loads(body)
     return out
 
 
-async def _tool_calls(db: aiosqlite.Connection, trajectory_id: str, calls: list[ModelCall]) -> list[ToolCall]:
+async def _tool_calls(db: Database, trajectory_id: str, calls: list[ModelCall]) -> list[ToolCall]:
     # A call returned to the client (proxy mode) has its result in the client's next request.
     client_results: dict[str, str] = {}
     for c in calls:
         for m in c.messages:
             if isinstance(m, dict) and m.get("role") == "tool" and m.get("tool_call_id"):
                 client_results.setdefault(m["tool_call_id"], content_text(m.get("content")) or "")
-    rows = await db.execute_fetchall("SELECT * FROM tool_calls WHERE trajectory_id = ? ORDER BY step, created_at, "
+    rows = await db.fetchall("SELECT * FROM tool_calls WHERE trajectory_id = ? ORDER BY step, created_at, "
                                      "rowid", (trajectory_id,))
     return [ToolCall(
         step=r["step"], call_id=r["call_id"], name=r["name"], arguments=r["raw_arguments"] or "",
@@ -114,21 +114,21 @@ async def _tool_calls(db: aiosqlite.Connection, trajectory_id: str, calls: list[
         duration_ms=r["duration_ms"], created_at=r["created_at"]) for r in rows]
 
 
-async def _events(db: aiosqlite.Connection, trajectory_id: str) -> list[RunEvent]:
+async def _events(db: Database, trajectory_id: str) -> list[RunEvent]:
     return [RunEvent(step=r[0], state=r[1], data=orjson.loads(r[2]) if r[2] else None, created_at=r[3])
-            for r in await db.execute_fetchall("SELECT step, state, data, created_at FROM events "
+            for r in await db.fetchall("SELECT step, state, data, created_at FROM events "
                                                "WHERE trajectory_id = ? ORDER BY id", (trajectory_id,))]
 
 
-async def _feedback(db: aiosqlite.Connection, trajectory_id: str) -> list[Feedback]:
+async def _feedback(db: Database, trajectory_id: str) -> list[Feedback]:
     return [Feedback(source=r["source"], name=r["name"], value=r["value"], label=r["label"], comment=r["comment"],
                      model_call_seq=r["model_call_seq"], created_at=r["created_at"])
-            for r in await db.execute_fetchall("SELECT * FROM feedback WHERE trajectory_id = ? "
+            for r in await db.fetchall("SELECT * FROM feedback WHERE trajectory_id = ? "
                                                "ORDER BY created_at, id", (trajectory_id,))]
 
 
-async def _run(db: aiosqlite.Connection, trajectory_id: str) -> AgentRun | None:
-    r = _first(await db.execute_fetchall("SELECT * FROM agent_runs WHERE id = ?", (trajectory_id,)))
+async def _run(db: Database, trajectory_id: str) -> AgentRun | None:
+    r = _first(await db.fetchall("SELECT * FROM agent_runs WHERE id = ?", (trajectory_id,)))
     if r is None:
         return None
     return AgentRun(profile=r["profile"], status=r["status"], termination_reason=r["termination_reason"],

@@ -51,13 +51,13 @@ class RunProgress:
 def start_statements(run: RunStart) -> list[Statement]:
     """The trajectory and the run row of a new run (nothing when they exist: a resumed run)."""
     return [
-        ("""INSERT OR IGNORE INTO trajectories(id, source, tenant, key_id, requested_model, base_model, status,
+        ("""INSERT INTO trajectories(id, source, tenant, key_id, requested_model, base_model, status,
                 message_count, metadata, created_at, updated_at)
-            VALUES (?, ?, ?, ?, ?, ?, 'running', ?, ?, ?, ?)""",
+            VALUES (?, ?, ?, ?, ?, ?, 'running', ?, ?, ?, ?) ON CONFLICT DO NOTHING""",
          (run.run_id, run.source, run.tenant, run.key_id, run.requested_model, run.base_model, run.message_count,
           _json(run.metadata) if run.metadata else None, run.at, run.at)),
-        ("""INSERT OR IGNORE INTO agent_runs(id, profile, status, steps, state, created_at, updated_at)
-            VALUES (?, ?, ?, 0, ?, ?, ?)""",
+        ("""INSERT INTO agent_runs(id, profile, status, steps, state, created_at, updated_at)
+            VALUES (?, ?, ?, 0, ?, ?, ?) ON CONFLICT DO NOTHING""",
          (run.run_id, run.profile, run.status, _json(run.state), run.at, run.at)),
     ]
 

@@ -10,13 +10,17 @@ import math
 import re
 from typing import Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from tools.settings import Section
 
 
 class StoreSettings(Section):
-    path: str = Field("harness.db", description="SQLite file for trajectories.")
+    path: str = Field("harness.db", description="SQLite file for trajectories (when no url is set).")
+    url: str | None = Field(None, description="A PostgreSQL database (postgresql://user:password@host:port/name) "
+                            "instead of the SQLite file: what several gateway replicas or workers share.")
+    pool_size: int = Field(8, gt=0, description="PostgreSQL connections for reads and short transactions, per "
+                           "process (the writer has one more of its own).")
     synchronous: Literal["NORMAL", "FULL"] = Field(
         "NORMAL", description="NORMAL survives a process crash; FULL also a power loss."
     )
@@ -26,6 +30,18 @@ class StoreSettings(Section):
     commit_delay_ms: float = Field(0.0, ge=0, description="Injected delay before each commit (tests only).")
     cache_entries: int = Field(5_000, ge=100, description="Entries of each in-memory stitching cache (twice as "
                                "many for stored bodies): what bounds the store's memory; misses read the database.")
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("postgresql://", "postgres://")):
+            raise ValueError("must be a postgresql:// URL (leave it out for the SQLite file at path)")
+        return value
+
+    @property
+    def location(self) -> str:
+        """Where the store is: the PostgreSQL URL, else the SQLite file."""
+        return self.url or self.path
+
     redact_defaults: bool = Field(True, description="Exports remove API keys, bearer tokens and e-mail addresses.")
     redact_patterns: list[str] = Field(default_factory=list,
                                        description="More regular expressions whose matches exports redact.")

@@ -1,8 +1,14 @@
 """Stitching: which trajectory a request extends, decided from hashes of its messages' prefixes.
 
-Its caches are refilled from the database on a miss: a head hash -> the trajectory that had it (maybe no
-longer), a trajectory -> [its current head, next seq], a session -> its newest trajectory. The look-ups are
-indexed point queries, run on the event loop itself (microseconds, less than a hop to another thread and back).
+``Stitcher`` serves a store only this process writes (SQLite). Its caches are refilled from the database on a
+miss: a head hash -> the trajectory that had it (maybe no longer), a trajectory -> [its current head, next seq],
+a session -> its newest trajectory. The look-ups are indexed point queries, run on the event loop itself
+(microseconds, less than a hop to another thread and back).
+
+``SharedStitcher`` serves a store other processes write too (PostgreSQL): no cache can be trusted there, so the
+database decides. A request extends a trajectory by compare-and-swap on its head: the next sequence number is
+claimed only while the head is still the one the request continues; when another process moved it on meanwhile,
+the request forks, exactly as it would in one process.
 """
 
 from __future__ import annotations
@@ -10,9 +16,12 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from replay.records import CallRecord, TrajectoryRef, new_id
+
+if TYPE_CHECKING:
+    from replay.database import PostgresDatabase
 
 
 class LRU(OrderedDict):
@@ -101,7 +110,7 @@ class Stitcher:
         """[current head hash, next call sequence number] of a trajectory."""
         state = self._state.get(tid)
         if state is None:
-            row = self._point("SELECT head_hash, n_calls FROM trajectories WHERE id = ?", (tid,))
+            row = self._point("SELECT head_hash, next_seq FROM trajectories WHERE id = ?", (tid,))
             state = [row[0], row[1]] if row else [None, 0]
             self._state.put(tid, state)
         return state
@@ -127,3 +136,59 @@ class Stitcher:
                     "ORDER BY updated_at", (*chunk, tenant)):
                 found[head] = tid
         return found
+
+
+_SESSION = ("SELECT id, head_hash FROM trajectories WHERE session_key = ? AND tenant IS ? "
+            "ORDER BY updated_at DESC LIMIT 1")
+
+
+class SharedStitcher:
+    """The same decisions as ``Stitcher``, taken in the database (see the module doc)."""
+
+    def __init__(self, db: PostgresDatabase) -> None:
+        self.db = db
+
+    async def stitch(self, *, session_key: str | None, prefix: list[str], anchor: str,
+                     tenant: str | None) -> TrajectoryRef:
+        if session_key is not None:
+            rows = await self.db.fetchall(_SESSION, (session_key, tenant))
+            parent = rows[0]["id"] if rows else None
+            if rows and rows[0]["head_hash"] in set(prefix):
+                seq = await self._claim(parent, rows[0]["head_hash"])
+                if seq is not None:
+                    return TrajectoryRef(id=parent, seq=seq, is_new=False)
+            return _new(session_key, parent)
+        found: dict[str, str] = {}
+        for i in range(0, len(prefix), 500):
+            chunk = prefix[i:i + 500]
+            for row in await self.db.fetchall(
+                    f"SELECT head_hash, id FROM trajectories WHERE head_hash IN ({','.join('?' * len(chunk))}) "
+                    "AND tenant IS ? ORDER BY updated_at", (*chunk, tenant)):
+                found[row["head_hash"]] = row["id"]
+        for head in reversed(prefix):
+            tid = found.get(head)
+            if tid is not None:
+                seq = await self._claim(tid, head)
+                if seq is not None:
+                    return TrajectoryRef(id=tid, seq=seq, is_new=False)
+                return _new(f"prefix:{anchor}", tid)
+        anchor_key = f"prefix:{anchor}"
+        rows = await self.db.fetchall(_SESSION, (anchor_key, tenant))
+        return _new(anchor_key, rows[0]["id"] if rows else None)
+
+    async def _claim(self, tid: str, head: str) -> int | None:
+        """The next sequence number of ``tid``, if its head is still ``head``; None when it moved on."""
+        [rows] = await self.db.transaction([(
+            "UPDATE trajectories SET next_seq = next_seq + 1 WHERE id = ? AND head_hash = ? RETURNING next_seq - 1",
+            (tid, head))], returning=True)
+        return next(iter(rows[0].values())) if rows else None
+
+    def advance(self, rec: CallRecord, head: str | None) -> None:
+        """The head moves in the database, with the call's commit."""
+
+    def forget(self) -> None:
+        """Nothing is cached."""
+
+
+def _new(session_key: str, parent: str | None) -> TrajectoryRef:
+    return TrajectoryRef(id=new_id(), seq=0, is_new=True, session_key=session_key, parent_id=parent)

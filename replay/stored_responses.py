@@ -16,8 +16,9 @@ if TYPE_CHECKING:
 def statement(response: dict[str, Any], *, trajectory_id: str | None, tenant: str | None,
               messages: list[dict[str, Any]]) -> Statement:
     """The statement keeping a response (and the chat history it ends) with its exchange's commit."""
-    return ("INSERT OR REPLACE INTO responses(id, trajectory_id, tenant, body, messages, created_at) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
+    return ("INSERT INTO responses(id, trajectory_id, tenant, body, messages, created_at) VALUES (?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT(id) DO UPDATE SET trajectory_id = excluded.trajectory_id, tenant = excluded.tenant, "
+            "body = excluded.body, messages = excluded.messages, created_at = excluded.created_at",
             (response["id"], trajectory_id, tenant, orjson.dumps(response).decode(),
              orjson.dumps(messages).decode(), time.time()))
 

@@ -8,19 +8,22 @@ many statements it holds). Message bodies are content-addressed: each is written
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import structlog
 
 from replay import hashing
+from replay.model import content_text
 from replay.records import CallRecord, Statement, WriteOp, new_id, pack, split_choices
 from replay.stitching import LRU
+
+if TYPE_CHECKING:
+    from replay.database import Database
 
 log = structlog.get_logger()
 
@@ -36,35 +39,51 @@ class RecordRejected(ValueError):
 
 @dataclass
 class _Rows:
-    blobs: list[tuple[str, bytes]]
+    blobs: list[tuple[str, bytes, float]]
     trajectories: list[tuple[Any, ...]]
     calls: list[tuple[Any, ...]]
     tool_calls: list[tuple[Any, ...]]
+    texts: list[tuple[str, str]]
     statements: list[Statement]
 
     @staticmethod
     def merged(parts: list[_Rows]) -> _Rows:
         if len(parts) == 1:
             return parts[0]
-        blobs = dict(blob for part in parts for blob in part.blobs)  # two writes may carry one body
-        return _Rows(list(blobs.items()), *([row for part in parts for row in getattr(part, name)]
-                                            for name in ("trajectories", "calls", "tool_calls", "statements")))
+        blobs = {blob[0]: blob for part in parts for blob in part.blobs}  # two writes may carry one body
+        return _Rows(list(blobs.values()), *([row for part in parts for row in getattr(part, name)]
+                                             for name in ("trajectories", "calls", "tool_calls", "texts",
+                                                          "statements")))
+
+    def steps(self) -> list[tuple[str, list[tuple[Any, ...]]]]:
+        return [(_UPSERT_BLOB, self.blobs), (_UPSERT_TRAJECTORY, self.trajectories), (_INSERT_CALL, self.calls),
+                (_INSERT_TOOL_CALL, self.tool_calls), (_INSERT_TEXT, self.texts)]  # type: ignore[list-item]
 
 
+# A body already stored is only touched (``stored_at``), which tells the collector of unreferenced bodies that some
+# writer still counts on it (see ``Writer.known_blobs``).
+_UPSERT_BLOB = """
+    INSERT INTO blobs(hash, body, stored_at) VALUES (?, ?, ?)
+    ON CONFLICT(hash) DO UPDATE SET stored_at = excluded.stored_at"""
+
+# Columns are named with their table: PostgreSQL reads a bare name beside ``excluded`` as ambiguous.
 _UPSERT_TRAJECTORY = """
     INSERT INTO trajectories(id, source, tenant, key_id, session_key, requested_model, base_model, adapter, group_id,
-        parent_id, status, head_hash, message_count, n_calls, prompt_tokens, completion_tokens, latency_ms,
+        parent_id, status, head_hash, message_count, n_calls, next_seq, prompt_tokens, completion_tokens, latency_ms,
         created_at, updated_at)
-    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1, ?, ?, ?, ?, ?)
+    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1, ?, ?, ?, ?, ?, ?)
     ON CONFLICT(id) DO UPDATE SET
         status = excluded.status,
-        group_id = COALESCE(group_id, excluded.group_id),
-        head_hash = COALESCE(excluded.head_hash, head_hash),
-        message_count = MAX(message_count, excluded.message_count),
-        n_calls = n_calls + 1,
-        prompt_tokens = prompt_tokens + excluded.prompt_tokens,
-        completion_tokens = completion_tokens + excluded.completion_tokens,
-        latency_ms = latency_ms + excluded.latency_ms,
+        group_id = COALESCE(trajectories.group_id, excluded.group_id),
+        head_hash = COALESCE(excluded.head_hash, trajectories.head_hash),
+        message_count = CASE WHEN excluded.message_count > trajectories.message_count
+                             THEN excluded.message_count ELSE trajectories.message_count END,
+        n_calls = trajectories.n_calls + 1,
+        next_seq = CASE WHEN excluded.next_seq > trajectories.next_seq
+                        THEN excluded.next_seq ELSE trajectories.next_seq END,
+        prompt_tokens = trajectories.prompt_tokens + excluded.prompt_tokens,
+        completion_tokens = trajectories.completion_tokens + excluded.completion_tokens,
+        latency_ms = trajectories.latency_ms + excluded.latency_ms,
         updated_at = excluded.updated_at"""
 
 _INSERT_CALL = """
@@ -78,14 +97,29 @@ _INSERT_TOOL_CALL = """
         validation_error, status, result, duration_ms, created_at)
     VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"""
 
-
-# SQLite's primary result codes that speak of the database, not of a row: busy, locked, out of memory, read-only,
-# I/O error, corrupt, full, cannot open, not a database. Every write fails with these; none is to blame.
-_STORE_FAILURES = frozenset({5, 6, 7, 8, 10, 11, 13, 14, 26})
+_INSERT_TEXT = "INSERT INTO trajectory_text(body, trajectory_id) VALUES (?, ?)"
 
 
-def _whole_store(exc: Exception) -> bool:
-    return isinstance(exc, sqlite3.Error) and (getattr(exc, "sqlite_errorcode", 0) & 0xFF) in _STORE_FAILURES
+def _message_text(message: Any) -> str:
+    if not isinstance(message, dict):
+        return ""
+    parts = [content_text(message.get("content")) or ""]
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            parts.append(f"{function.get('name') or ''} {function.get('arguments') or ''}")
+    return "\n".join(p for p in parts if p)
+
+
+def new_text(rec: CallRecord, replies: list[Any]) -> str:
+    """The text a call adds to its trajectory, for full-text search: the whole request on a trajectory's first
+    call, else the messages after the last assistant turn (the user's or the tools' new ones), and the replies."""
+    messages = rec.request_messages
+    if rec.trajectory.seq > 0:
+        last = max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),
+                   default=-1)
+        messages = messages[last + 1:]
+    return "\n".join(t for t in map(_message_text, [*messages, *replies]) if t)
 
 
 def _reject(fut: asyncio.Future[None], exc: Exception, stage: str) -> None:
@@ -95,17 +129,21 @@ def _reject(fut: asyncio.Future[None], exc: Exception, stage: str) -> None:
 
 
 class Writer:
-    def __init__(self, *, lock: asyncio.Lock, advance: Callable[[CallRecord, str | None], None], max_batch: int,
+    def __init__(self, *, db: Database, advance: Callable[[CallRecord, str | None], None], max_batch: int,
                  max_queue: int, commit_delay: float, on_commit: Callable[[int, float], None] | None,
-                 known_blobs: int) -> None:
+                 known_blobs: int, trust_seconds: float) -> None:
         self.max_batch = max_batch
         self.commit_delay = commit_delay
-        self.known_blobs = LRU(known_blobs)  # bodies already stored: a miss costs one INSERT OR IGNORE
+        # Bodies this writer stored, and when: a miss costs one more row in the batch. Another process may collect
+        # a body no committed call refers to, but never one stored (or touched) less than twice ``trust_seconds``
+        # ago, so an entry is trusted that long and no longer.
+        self.known_blobs = LRU(known_blobs)
+        self.trust_seconds = trust_seconds
         self._queue: asyncio.Queue[tuple[WriteOp, asyncio.Future[None]]] = asyncio.Queue(max_queue)
-        self._lock = lock  # one transaction at a time on the store: batches, deletes and key changes
+        self._db = db
+        self._lock = db.write_lock  # SQLite: one transaction at a time on the store (batches, deletes, changes)
         self._advance = advance  # stitching learns each call's new head as its row is built
         self._on_commit = on_commit  # callback(batch_size, seconds) for metrics
-        self._conn: sqlite3.Connection | None = None  # used only on the writer thread
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-writer")
         self._task: asyncio.Task[None] | None = None
         self._closing = False
@@ -114,8 +152,7 @@ class Writer:
     def queue_depth(self) -> int:
         return self._queue.qsize()
 
-    def start(self, conn: sqlite3.Connection) -> None:
-        self._conn = conn
+    def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="store-writer")
 
     async def stop(self) -> None:
@@ -179,13 +216,13 @@ class Writer:
         try:
             await run(self._thread, self._commit, _Rows.merged([rows for rows, _, _ in built]))
         except Exception as exc:  # noqa: BLE001 - find the write to blame by committing each alone
-            if _whole_store(exc):
+            if self._db.whole_store(exc):
                 raise
             for rows, new_blobs, fut in built:
                 try:
                     await run(self._thread, self._commit, rows)
                 except Exception as exc:  # noqa: BLE001
-                    if _whole_store(exc):
+                    if self._db.whole_store(exc):
                         raise
                     _reject(fut, exc, "commit")
                 else:
@@ -195,24 +232,28 @@ class Writer:
             self._committed(new_blobs, fut)
 
     def _committed(self, new_blobs: list[str], fut: asyncio.Future[None]) -> None:
+        now = time.monotonic()
         for key in new_blobs:
-            self.known_blobs.put(key, True)
+            self.known_blobs.put(key, now)
         if not fut.done():
             fut.set_result(None)
 
     def _rows(self, op: WriteOp) -> tuple[_Rows, list[str]]:
         """The rows a write makes (built on the event loop, where the caches live), and its new blob keys."""
-        blobs: dict[str, bytes] = {}
+        blobs: dict[str, tuple[str, bytes, float]] = {}
         heads: list[tuple[CallRecord, str | None]] = []
         trajectories = []
         calls = []
         tool_calls = []
+        texts = []
+        now, trusted_since = time.time(), time.monotonic() - self.trust_seconds
 
         def put_blob(value: Any) -> str:
             body = hashing.exact_json(value)
             key = hashing.blob_hash(body)
-            if key not in self.known_blobs:
-                blobs[key] = body
+            stored = self.known_blobs.get(key)
+            if stored is None or stored < trusted_since:
+                blobs[key] = (key, body, now)
             return key
 
         for rec in (one for call in op.records for one in split_choices(call)):
@@ -220,9 +261,11 @@ class Writer:
             tools_key = put_blob(rec.tools) if rec.tools else None
             response = rec.response
             response_keys: list[str] = []
+            replies: list[Any] = []
             head = rec.request_prefix[-1] if rec.request_prefix else None
             if response is not None:
                 choices = response.get("choices") or []
+                replies = [c.get("message") for c in choices]
                 response_keys = [put_blob(c.get("message") or {}) for c in choices]
                 if choices and choices[0].get("message"):
                     head = hashing.chain(head or "", hashing.stitch_hash(choices[0]["message"]))
@@ -235,7 +278,7 @@ class Writer:
             message_count = len(rec.request_messages) + (1 if response_keys else 0)
             trajectories.append((
                 ref.id, rec.source, rec.tenant, rec.key_id, ref.session_key, rec.requested_model,
-                rec.base_model, rec.adapter, ref.group_id, ref.parent_id, status, head, message_count,
+                rec.base_model, rec.adapter, ref.group_id, ref.parent_id, status, head, message_count, ref.seq + 1,
                 rec.prompt_tokens, rec.completion_tokens, rec.latency_ms, rec.created_at, rec.created_at,
             ))
             calls.append((
@@ -251,29 +294,15 @@ class Writer:
                  int(t["repaired"]), int(t["valid"]), t["validation_error"], t["status"], t.get("result"),
                  t.get("duration_ms"), rec.created_at)
                 for t in rec.tool_calls)
+            text = new_text(rec, replies)
+            if text:
+                texts.append((text, ref.id))
         # Stitching learns the new heads only once every row of the write is built: a write refused half-way
         # must not leave a head behind.
         for rec, head in heads:
             self._advance(rec, head)
-        return _Rows(list(blobs.items()), trajectories, calls, tool_calls, list(op.statements)), list(blobs)
+        return _Rows(list(blobs.values()), trajectories, calls, tool_calls, texts, list(op.statements)), list(blobs)
 
     def _commit(self, rows: _Rows) -> None:
         """One transaction on the writer thread; all of it or none of it."""
-        db = self._conn
-        assert db is not None
-        db.execute("BEGIN")
-        try:
-            if rows.blobs:
-                db.executemany("INSERT OR IGNORE INTO blobs(hash, body) VALUES (?, ?)", rows.blobs)
-            db.executemany(_UPSERT_TRAJECTORY, rows.trajectories)
-            db.executemany(_INSERT_CALL, rows.calls)
-            if rows.tool_calls:
-                db.executemany(_INSERT_TOOL_CALL, rows.tool_calls)
-            for sql, args in rows.statements:
-                db.execute(sql, args)
-            if self.commit_delay:
-                time.sleep(self.commit_delay)
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
+        self._db.commit_steps(rows.steps(), rows.statements, self.commit_delay)

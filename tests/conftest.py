@@ -9,6 +9,7 @@ import pytest
 from replay.store import TrajectoryStore
 from tests import markers
 from tests.extras import skip_without
+from tests.postgres import PostgresServer, require_postgres
 from tests.processes import GatewayProcess, upstream_config
 from tests.standin import ServerThread, StandIn
 
@@ -66,10 +67,29 @@ def shared_gateway(standin: tuple[StandIn, str], tmp_path_factory: pytest.TempPa
     proc.stop()
 
 
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """One throwaway PostgreSQL server for the session (``tests/postgres.py``); each user takes a fresh database."""
+    server = PostgresServer(require_postgres()).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_location(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Where a test's store is: a fresh SQLite file, then a fresh PostgreSQL database (the same test runs on both).
+    A test about one database alone marks itself ``@pytest.mark.sqlite_only``."""
+    if request.param == "postgresql":
+        if request.node.get_closest_marker("sqlite_only"):
+            pytest.skip("about SQLite alone")
+        return request.getfixturevalue("postgres").database()
+    return str(tmp_path / "store.db")
+
+
 @pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[TrajectoryStore]:
-    """A real trajectory store on a fresh SQLite file, started and closed around the test."""
-    s = TrajectoryStore(str(tmp_path / "store.db"))
+async def store(store_location: str) -> AsyncIterator[TrajectoryStore]:
+    """A real trajectory store, started and closed around the test: on SQLite, and on PostgreSQL."""
+    s = TrajectoryStore(store_location)
     await s.start()
     yield s
     await s.close()

@@ -73,7 +73,7 @@ async def capture(settings: HarnessSettings, suite_name: str, split: str, *, dem
     suite = get_suite(suite_name, data_dir=settings.training.tasks_dir)
     tasks = suite.tasks(split)
     result = CaptureResult()
-    store = TrajectoryStore(settings.store.path, settings.store)
+    store = TrajectoryStore(settings.store.location, settings.store)
     await store.start()
     try:
         if demos:

@@ -54,7 +54,7 @@ async def expert_iteration(settings: HarnessSettings, suite: Suite, evaluator: E
     tokenizer = await asyncio.to_thread(load_tokenizer, training.model_path)
     general_rows = await asyncio.to_thread(general.training_rows)
     current, current_metrics, rounds = start, start_metrics, []
-    store = TrajectoryStore(settings.store.path, settings.store)
+    store = TrajectoryStore(settings.store.location, settings.store)
     await store.start()
     try:
         for r in range(1, expert.rounds + 1):

@@ -96,7 +96,7 @@ async def replay_train(settings: HarnessSettings, filters: Filters, *, mode: str
 
     # -- select and reward --------------------------------------------------------------------------------
     unbounded = dataclasses.replace(filters, min_reward=None, max_reward=None)
-    store = TrajectoryStore(settings.store.path, settings.store)
+    store = TrajectoryStore(settings.store.location, settings.store)
     await store.start()
     try:
         selected = await store.select_ids(unbounded)
@@ -112,7 +112,7 @@ async def replay_train(settings: HarnessSettings, filters: Filters, *, mode: str
     finally:
         await store.close()
 
-    registry = AdapterRegistry(settings.store.path)
+    registry = AdapterRegistry(settings.store.location)
     active = await asyncio.to_thread(registry.active, name)
     reference = Path(active.path) if active else None
     reference_label = active.backend_name if active else "base"
@@ -243,7 +243,7 @@ async def _rl(settings: HarnessSettings, selected: list[str], start: Path | None
     suite = get_suite(training.suite, data_dir=training.tasks_dir)
     test_tasks = {t.id for t in suite.tasks("test")}
     loop = asyncio.get_running_loop()
-    store = TrajectoryStore(settings.store.path, settings.store)
+    store = TrajectoryStore(settings.store.location, settings.store)
     await store.start()
     try:
         captured, stats = await groups_from_store(

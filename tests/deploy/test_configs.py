@@ -13,18 +13,20 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tomllib
 from pathlib import Path, PurePosixPath
 from types import ModuleType
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from gateway.config import load_settings
+from gateway.config import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -57,8 +59,9 @@ DOCKERFILES = "Dockerfile*"
 UNITS = "systemd/*.service"
 ENV_EXAMPLES = "systemd/*.env.example"
 READMES = "**/README.md"
+NGINX = "nginx/*.conf"
 CHECKED = (GATEWAY_CONFIGS, SGLANG_CONFIGS, PYTHON, SHELL, REQUIREMENTS, COMPOSE, DOCKERFILES, UNITS, ENV_EXAMPLES,
-           READMES)
+           READMES, NGINX)
 
 
 def files(pattern: str) -> list[Path]:
@@ -207,7 +210,17 @@ def test_requirements_are_pinned(path: Path) -> None:
         assert str(requirement.specifier).startswith("=="), f"{requirement} is not pinned"
 
 
-# -- compose and the image -----------------------------------------------------------------------------------
+# -- compose -------------------------------------------------------------------------------------------------
+
+# Settings that compose files set before the settings model has them (they come with the PostgreSQL store and
+# the shared rate limits, written alongside). While a key is missing from the model its variable is left out of
+# the load below; once the model has it, it is validated like any other, and its entry here can go.
+PENDING_SETTINGS = {
+    "HARNESS_STORE__URL": ("store", "url"),
+    "HARNESS_SERVER__WORKERS": ("server", "workers"),
+    "HARNESS_BOT__RATE_LIMIT_STORAGE": ("bot", "rate_limit_storage"),
+}
+DEPENDS_CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
 
 
 def _mounts(service: dict[str, Any]) -> dict[str, str]:
@@ -219,9 +232,153 @@ def _mounts(service: dict[str, Any]) -> dict[str, str]:
     return mounts
 
 
+def _environment(service: dict[str, Any]) -> dict[str, str]:
+    """A service's environment, from either of compose's forms (a table, or a list of NAME=VALUE)."""
+    env = service.get("environment", {})
+    if isinstance(env, list):
+        env = dict(entry.split("=", 1) if "=" in entry else (entry, "") for entry in env)
+    return {str(k): "" if v is None else str(v) for k, v in env.items()}
+
+
+def _depends(service: dict[str, Any]) -> dict[str, str]:
+    """name → condition of a service's depends_on, from either form (a list means service_started)."""
+    depends = service.get("depends_on", {})
+    if isinstance(depends, list):
+        return dict.fromkeys(depends, "service_started")
+    return {name: (spec or {}).get("condition", "service_started") for name, spec in depends.items()}
+
+
+_VARIABLE = re.compile(r"\$\$|\$\{(\w+)(?:(:?[-?])([^}]*))?\}|\$(\w+)")
+
+
+def _interpolate(text: str, environ: dict[str, str] | None = None) -> str:
+    """What compose makes of ``text`` in ``environ`` (default empty): ``${X:-default}``, ``${X-default}``,
+    ``${X:?error}``, ``${X?error}``, ``${X}``, ``$X``, ``$$``. A required variable that is unset stands as
+    ``<X>``, so that the rest of the value can still be checked."""
+    environ = environ or {}
+
+    def one(match: re.Match[str]) -> str:
+        if match[0] == "$$":
+            return "$"
+        name, op, arg = match[1] or match[4], match[2], match[3]
+        value = environ.get(name)
+        unset = value is None or (value == "" and op is not None and op.startswith(":"))
+        if op in (":-", "-"):
+            return arg if unset else str(value)
+        if op in (":?", "?"):
+            return f"<{name}>" if unset else str(value)
+        return value or ""
+
+    return _VARIABLE.sub(one, text)
+
+
+def _compose(path: Path) -> dict[str, Any]:
+    compose = yaml.safe_load(path.read_text())
+    assert isinstance(compose, dict) and compose.get("services"), f"{rel(path)}: no services"
+    return compose
+
+
+def _gateways(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The services that run `harness serve`."""
+    return {name: s for name, s in compose["services"].items() if s.get("command", [])[:2] == ["harness", "serve"]}
+
+
+def _built_dockerfile(path: Path, service: dict[str, Any]) -> Path | None:
+    build = service.get("build")
+    if build is None:
+        return None
+    if isinstance(build, str):
+        build = {"context": build}
+    return (path.parent / build.get("context", ".")).resolve() / build.get("dockerfile", "Dockerfile")
+
+
+def _healthcheck(path: Path, service: dict[str, Any]) -> list[str]:
+    """The health check's command: the service's own, else its Dockerfile's HEALTHCHECK; [] without one."""
+    if "healthcheck" in service:
+        test = service["healthcheck"]["test"]
+        assert isinstance(test, list) and test[0] in ("CMD", "CMD-SHELL"), f"health check {test!r}"
+        return test
+    dockerfile = _built_dockerfile(path, service)
+    if dockerfile is not None:
+        for word, args in _dockerfile(dockerfile):
+            if word == "HEALTHCHECK":
+                return ["CMD", *json.loads(args.split(" CMD ", 1)[1])]
+    return []
+
+
+def _gateway_settings(path: Path, service: dict[str, Any]) -> tuple[Any, dict[str, str]]:
+    """A gateway service's settings, as its config file and its environment (interpolated) give them, and that
+    environment. Loading fails on a variable that names no setting (other than a pending one)."""
+    command = service["command"]
+    assert "--config" in command, "harness serve without --config"
+    target = command[command.index("--config") + 1]
+    source = _mounts(service).get(target)
+    assert source and (path.parent / source).is_file(), f"--config {target} is not a file mounted from deploy/"
+    env = {name: _interpolate(value) for name, value in _environment(service).items()}
+    pending = {name for name, (section, key) in PENDING_SETTINGS.items()
+               if name in env and key not in Settings.model_fields[section].annotation.model_fields}
+    settings = load_settings(path.parent / source, environ={k: v for k, v in env.items() if k not in pending})
+    return settings, env
+
+
 @params(COMPOSE)
 def test_compose(path: Path) -> None:
-    compose = yaml.safe_load(path.read_text())
+    """What holds for every compose file: images, builds, dependencies, volumes, and each gateway's settings."""
+    compose = _compose(path)
+    assert {k for k in compose if not k.startswith("x-")} <= {"name", "services", "volumes", "networks"}
+    services = compose["services"]
+    named = set(compose.get("volumes") or {})
+    used = set()
+    for name, service in services.items():
+        dockerfile = _built_dockerfile(path, service)
+        assert dockerfile is not None or "image" in service, f"{name}: neither build nor image"
+        if dockerfile is not None:
+            assert dockerfile.is_file(), f"{name} builds from {dockerfile}, which does not exist"
+        else:
+            assert re.fullmatch(r"[\w./-]+:[\w.-]+", service["image"]) and not service["image"].endswith(":latest"), \
+                f"{name}: pin the image's tag ({service['image']})"
+        for other, condition in _depends(service).items():
+            assert other in services and other != name, f"{name} depends on {other}, which is not a service here"
+            assert condition in DEPENDS_CONDITIONS, f"{name} → {other}: {condition}"
+            if condition == "service_healthy":
+                assert _healthcheck(path, services[other]), f"{name} waits for {other} to be healthy: it has no check"
+        for source in _mounts(service).values():
+            if source.startswith((".", "/")):
+                assert (path.parent / source).exists(), f"{name} mounts {source}, which does not exist"
+            else:
+                assert source in named, f"{name} mounts volume {source}, which is not declared"
+                used.add(source)
+    assert named == used, f"declared volumes no service mounts: {sorted(named - used)}"
+
+    gateways = _gateways(compose)
+    assert gateways, f"{rel(path)} runs no gateway"
+    assert len({s.get("image") for s in gateways.values()}) == 1, "every gateway service runs the same image"
+    for name, gateway in gateways.items():
+        settings, env = _gateway_settings(path, gateway)
+        config_target = gateway["command"][gateway["command"].index("--config") + 1]
+        assert env.get("HARNESS_CONFIG") == config_target, name
+        assert settings.server.admin_key_env in env, name
+        assert "/healthz" in " ".join(_healthcheck(path, gateway)), name
+        mounts = _mounts(gateway)
+        if "HARNESS_STORE__URL" in env:
+            assert env["HARNESS_STORE__URL"].startswith("postgresql://"), name
+            assert urlsplit(env["HARNESS_STORE__URL"]).hostname in services, f"{name}: the store's host is not here"
+        else:  # the SQLite file, on a volume of its own
+            assert mounts.get(str(PurePosixPath(settings.store.path).parent)) in named, \
+                f"{name}: the store's folder is not on a named volume"
+        if any(b.kind in ("sglang", "vllm") for b in settings.backends):
+            # Adapters are read by path by the backend: the same volume at the same path in every service.
+            assert mounts.get(settings.routing.adapters_dir) in named, f"{name}: adapters_dir is not on a volume"
+            volume = mounts[settings.routing.adapters_dir]
+            for other, service in services.items():
+                at = {t for t, s in _mounts(service).items() if s == volume}
+                assert at in (set(), {settings.routing.adapters_dir}), f"{other} mounts {volume} at {sorted(at)}"
+
+
+def test_compose_gpu() -> None:
+    """compose.yaml: one gateway in front of SGLang on one GPU."""
+    path = DEPLOY / "compose.yaml"
+    compose = _compose(path)
     services = compose["services"]
     assert set(services) == {"gateway", "sglang"}
     gateway, sglang = services["gateway"], services["sglang"]
@@ -231,33 +388,242 @@ def test_compose(path: Path) -> None:
     devices = sglang["deploy"]["resources"]["reservations"]["devices"]
     assert any(d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) for d in devices)
 
-    named = set(compose["volumes"])
-    assert {"store", "adapters"} <= named
+    assert {"store", "adapters"} <= set(compose["volumes"])
+    settings, env = _gateway_settings(path, gateway)
     gw_mounts, sg_mounts = _mounts(gateway), _mounts(sglang)
-    for mounts in (gw_mounts, sg_mounts):
-        for source in mounts.values():
-            assert source in named or (path.parent / source).exists(), f"{source} is neither a volume nor a file"
     adapters_at = {t for t, s in gw_mounts.items() if s == "adapters"}
-    assert adapters_at and adapters_at == {t for t, s in sg_mounts.items() if s == "adapters"}, \
+    assert adapters_at == {settings.routing.adapters_dir} == {t for t, s in sg_mounts.items() if s == "adapters"}, \
         "both services must see the adapters volume at the same path"
-
-    command = gateway["command"]
-    assert command[:2] == ["harness", "serve"] and "--config" in command
-    config_target = command[command.index("--config") + 1]
-    settings = load_settings(path.parent / gw_mounts[config_target], environ={})
-    assert adapters_at == {settings.routing.adapters_dir}
     assert gw_mounts.get(str(Path(settings.store.path).parent)) == "store"
-    env = gateway["environment"]
-    assert env.get("HARNESS_CONFIG") == config_target
-    assert settings.server.admin_key_env in env
 
     sglang_dir = next(t for t, s in sg_mounts.items() if (path.parent / s).resolve() == DEPLOY / "sglang")
     assert sglang["command"][1:3] == [f"{sglang_dir}/launch.py", f"{sglang_dir}/sglang.toml"]
     port = sglang_config()["port"]
     assert env["HARNESS_BACKENDS__0__BASE_URL"] == f"http://sglang:{port}/v1"
     assert f":{port}/health" in " ".join(sglang["healthcheck"]["test"])
-    assert "/healthz" in " ".join(gateway["healthcheck"]["test"])
-    assert gateway["depends_on"]["sglang"]["condition"] == "service_healthy"
+    assert _depends(gateway) == {"sglang": "service_healthy"}
+    assert list(gateway["ports"]) == ["8000:8000"]
+
+
+def _published(service: dict[str, Any]) -> list[int]:
+    """The container ports a service publishes (short syntax: [HOST_IP:]HOST:CONTAINER[/PROTO])."""
+    return [int(str(p).split("/")[0].rsplit(":", 1)[-1]) for p in service.get("ports", [])]
+
+
+def _service_by_image(services: dict[str, Any], repository: str) -> tuple[str, dict[str, Any]]:
+    (found,) = [(n, s) for n, s in services.items() if s.get("image", "").split(":")[0] == repository]
+    return found
+
+
+def test_compose_replicas() -> None:
+    """compose.replicas.yaml: two proxying gateways on one PostgreSQL and one Redis, behind nginx."""
+    path = DEPLOY / "compose.replicas.yaml"
+    compose = _compose(path)
+    services = compose["services"]
+    gateways = _gateways(compose)
+    pg_name, postgres = _service_by_image(services, "postgres")
+    redis_name, redis = _service_by_image(services, "redis")
+    lb_name, lb = _service_by_image(services, "nginx")
+    assert set(services) == {*gateways, pg_name, redis_name, lb_name}
+
+    # PostgreSQL 15, its data on a named volume, healthy only once it takes connections over TCP.
+    assert postgres["image"] == "postgres:15"
+    assert _mounts(postgres).get("/var/lib/postgresql/data") in compose["volumes"]
+    pg_env = _environment(postgres)
+    assert re.fullmatch(r"\$\{POSTGRES_PASSWORD:-[^}]+\}", pg_env["POSTGRES_PASSWORD"]), \
+        "the password comes from POSTGRES_PASSWORD (its default is for a demo only)"
+    check = postgres["healthcheck"]["test"]
+    assert check[:2] == ["CMD", "pg_isready"]
+    options = dict(zip(check[2::2], check[3::2], strict=True))
+    assert options.get("-h") == "127.0.0.1", "over TCP: the image's initialising server answers on the socket"
+    assert options.get("-U") == pg_env["POSTGRES_USER"] and options.get("-d") == pg_env["POSTGRES_DB"]
+
+    # Redis 7 for rate-limit counters only: no persistence, nothing mounted.
+    assert redis["image"] == "redis:7" and not redis.get("volumes")
+    assert redis["command"][0] == "redis-server"
+    assert " ".join(map(repr, redis["command"])).count("'--save' ''") == 1
+    assert redis["command"][redis["command"].index("--appendonly") + 1] == "no"
+
+    # Two replicas of one image, one config, the same store, rate limits and admin key.
+    assert len(gateways) == 2
+    assert len({json.dumps(s.get("build"), sort_keys=True) for s in gateways.values()}) == 1
+    configs = {json.dumps(_gateway_settings(path, s)[0].model_dump(mode="json"), sort_keys=True)
+               for s in gateways.values()}
+    assert len(configs) == 1, "the replicas' settings differ"
+    ports = set()
+    for name, gateway in gateways.items():
+        settings, env = _gateway_settings(path, gateway)
+        assert all(b.kind != "local" for b in settings.backends), \
+            f"{name}: the embedded model's engine lives in one process; replicas proxy"
+        url = urlsplit(env["HARNESS_STORE__URL"])
+        assert url.scheme == "postgresql" and url.hostname == pg_name and url.port == 5432, name
+        assert (url.username, url.password, url.path) == (
+            pg_env["POSTGRES_USER"], _interpolate(pg_env["POSTGRES_PASSWORD"]), "/" + pg_env["POSTGRES_DB"]), name
+        assert _environment(gateway)["HARNESS_STORE__URL"].count("${POSTGRES_PASSWORD:-") == 1, \
+            f"{name}: the store URL's password is POSTGRES_PASSWORD, as the database's"
+        limits = urlsplit(env["HARNESS_BOT__RATE_LIMIT_STORAGE"])
+        assert limits.scheme == "redis" and limits.hostname == redis_name, name
+        assert _depends(gateway).get(pg_name) == "service_healthy", name
+        assert not any(s in compose["volumes"] for s in _mounts(gateway).values()), \
+            f"{name}: a replica keeps no state of its own"
+        assert env["HARNESS_SERVER__HOST"] == "0.0.0.0", name
+        ports.add(settings.server.port)
+    (port,) = ports
+
+    # Only the load balancer is published; it forwards to exactly the replicas.
+    assert [n for n, s in services.items() if s.get("ports")] == [lb_name]
+    assert set(_depends(lb)) == set(gateways)
+    conf_source = next(s for t, s in _mounts(lb).items() if PurePosixPath(t).parent == PurePosixPath(
+        "/etc/nginx/conf.d") and t.endswith(".conf"))
+    conf = _nginx(path.parent / conf_source)
+    (upstream,) = [d for d in conf if d.name == "upstream"]
+    assert sorted(d.args[0] for d in upstream.children if d.name == "server") == sorted(
+        f"{name}:{port}" for name in gateways)
+    (server,) = [d for d in conf if d.name == "server"]
+    assert {int(d.args[0].rsplit(":", 1)[-1].split()[0]) for d in server.children if d.name == "listen"} == set(
+        _published(lb))
+
+    settings = _gateway_settings(path, next(iter(gateways.values())))[0]
+    (keepalive_timeout,) = [_seconds(d.args[0]) for d in upstream.children if d.name == "keepalive_timeout"]
+    assert keepalive_timeout < settings.server.keep_alive_seconds, \
+        "nginx must drop an idle upstream connection before the gateway does, or a request races the close"
+    (body,) = [d.args[0] for d in server.children if d.name == "client_max_body_size"]
+    assert _bytes(body) >= max(settings.server.max_body_bytes, settings.routing.max_upload_bytes)
+    for location in (d for d in server.children if d.name == "location"):
+        (read_timeout,) = [_seconds(d.args[0]) for d in location.children if d.name == "proxy_read_timeout"]
+        assert read_timeout >= max(b.read_timeout for b in settings.backends)
+    (per_client,) = [d.args for d in server.children if d.name == "limit_conn"]
+    assert 0 < int(per_client[1]) <= settings.server.max_connections * len(gateways)
+
+
+# -- nginx ---------------------------------------------------------------------------------------------------
+
+
+class _Directive:
+    def __init__(self, name: str, args: list[str], children: list[_Directive] | None) -> None:
+        self.name, self.args, self.children = name, args, children or []
+        self.block = children is not None
+
+
+_NGINX_TOKEN = re.compile(r"""\s+|#[^\n]*|"((?:[^"\\]|\\.)*)"|'((?:[^'\\]|\\.)*)'|([{};])|([^\s{};"'#]+)""")
+
+
+def _nginx(path: Path) -> list[_Directive]:
+    """nginx's configuration syntax: directives with arguments, ending in ``;`` or a ``{ }`` block."""
+    text, pos, tokens = path.read_text(), 0, []
+    while pos < len(text):
+        match = _NGINX_TOKEN.match(text, pos)
+        assert match, f"{rel(path)}: cannot read from {text[pos:pos + 40]!r}"
+        pos = match.end()
+        if match[1] is not None or match[2] is not None:
+            tokens.append(("word", match[1] if match[1] is not None else match[2]))
+        elif match[3]:
+            tokens.append(("punct", match[3]))
+        elif match[4]:
+            tokens.append(("word", match[4]))
+    stack: list[list[_Directive]] = [[]]
+    words: list[str] = []
+    for kind, token in tokens:
+        if kind == "word":
+            words.append(token)
+        elif token == ";":
+            assert words, f"{rel(path)}: an empty directive"
+            stack[-1].append(_Directive(words[0], words[1:], None))
+            words = []
+        elif token == "{":
+            assert words, f"{rel(path)}: a block without a name"
+            directive = _Directive(words[0], words[1:], [])
+            stack[-1].append(directive)
+            stack.append(directive.children)
+            words = []
+        else:
+            assert not words and len(stack) > 1, f"{rel(path)}: unbalanced }}"
+            stack.pop()
+    assert not words and len(stack) == 1, f"{rel(path)}: unterminated directive or block"
+    return stack[0]
+
+
+def _seconds(value: str) -> float:
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+    match = re.fullmatch(r"(\d+)(ms|s|m|h|d)?", value)
+    assert match, f"not an nginx time: {value}"
+    return int(match[1]) * units[match[2] or "s"]
+
+
+def _bytes(value: str) -> int:
+    match = re.fullmatch(r"(\d+)([kKmMgG])?", value)
+    assert match, f"not an nginx size: {value}"
+    return int(match[1]) * {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}[(match[2] or "").lower()]
+
+
+@params(NGINX)
+def test_nginx_config(path: Path) -> None:
+    """A conf.d file (inside `http { }`): upstreams of servers, and proxying fit for server-sent events."""
+    conf = _nginx(path)
+    assert {d.name for d in conf} <= {"upstream", "server", "limit_conn_zone", "limit_req_zone", "map"}
+    upstreams = {d.args[0]: d for d in conf if d.name == "upstream"}
+    assert upstreams, f"{rel(path)} has no upstream"
+    for name, upstream in upstreams.items():
+        servers = [d.args[0] for d in upstream.children if d.name == "server"]
+        assert servers and all(re.fullmatch(r"[\w.-]+:\d+", s) for s in servers), f"upstream {name}: {servers}"
+    servers = [d for d in conf if d.name == "server" and d.block]
+    assert servers
+    for server in servers:
+        assert any(d.name == "listen" for d in server.children)
+        locations = [d for d in server.children if d.name == "location"]
+        assert locations
+        for location in locations:
+            settings = {d.name: d.args for d in location.children if not d.block}
+            headers = {d.args[0].lower(): d.args[1] for d in location.children if d.name == "proxy_set_header"}
+            target = urlsplit(settings["proxy_pass"][0])
+            assert target.scheme == "http" and target.hostname in upstreams, settings["proxy_pass"]
+            assert settings.get("proxy_buffering") == ["off"], "server-sent events must not wait in nginx's buffer"
+            assert settings.get("proxy_http_version") == ["1.1"]
+            assert headers.get("host") == "$host"
+            assert headers.get("x-forwarded-for") == "$proxy_add_x_forwarded_for"
+            if any(d.name == "keepalive" for d in upstreams[target.hostname].children):
+                assert headers.get("connection") == "", "keepalive to the upstream needs Connection cleared"
+            assert _seconds(settings["proxy_read_timeout"][0]) >= 300, "streams stay quiet for minutes"
+
+
+def _nginx_test_config(path: Path, tmp: Path) -> Path:
+    """A main nginx.conf around ``path`` as the official image includes it (inside `http { }`), with every
+    upstream host name made a loopback address (nginx resolves them when it reads the file) and every path it
+    writes under ``tmp``."""
+    hosts: dict[str, str] = {}
+
+    def loopback(match: re.Match[str]) -> str:
+        host = hosts.setdefault(match[2], f"127.0.0.{len(hosts) + 1}")
+        return f"{match[1]}{host}{match[3]}"
+
+    conf = re.sub(r"(?m)^(\s*server\s+)([A-Za-z][\w.-]*)(:\d+)", loopback, path.read_text())
+    (tmp / "conf.d").mkdir()
+    (tmp / "conf.d" / path.name).write_text(conf)
+    built = subprocess.run(["nginx", "-V"], capture_output=True, text=True, timeout=30).stderr
+    temp_paths = "".join(f"    {kind.replace('-', '_')}_temp_path {tmp}/{kind};\n"
+                         for kind in re.findall(r"--http-([\w-]+)-temp-path=", built)
+                         if f"--without-http_{kind}_module" not in built)
+    main = tmp / "nginx.conf"
+    main.write_text(f"pid {tmp}/nginx.pid;\nerror_log {tmp}/error.log;\nevents {{}}\nhttp {{\n"
+                    f"    access_log {tmp}/access.log;\n{temp_paths}    include {tmp}/conf.d/*.conf;\n}}\n")
+    return main
+
+
+@params(NGINX)
+def test_nginx_accepts_the_config(path: Path, tmp_path: Path) -> None:
+    """`nginx -t` on the file itself: every directive known, every argument valid."""
+    if shutil.which("nginx") is None:
+        message = "nginx (Debian's nginx-light or nginx package) is not installed"
+        if os.environ.get("HARNESS_REQUIRE_NGINX") == "1":
+            pytest.fail(message + " and HARNESS_REQUIRE_NGINX=1", pytrace=False)
+        pytest.skip(message)
+    main = _nginx_test_config(path, tmp_path)
+    result = subprocess.run(["nginx", "-t", "-p", str(tmp_path), "-e", str(tmp_path / "error.log"), "-c", str(main)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+# -- the image -----------------------------------------------------------------------------------------------
 
 
 def _dockerfile(path: Path) -> list[tuple[str, str]]:

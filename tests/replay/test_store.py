@@ -5,18 +5,20 @@ from pathlib import Path
 
 import pytest
 
+import replay.store
 from replay import hashing, keys
 from replay.records import CallRecord, WriteOp
 from replay.schema import MIGRATIONS, SCHEMA_VERSION, migrate
 from replay.settings import StoreSettings
 from replay.store import TrajectoryStore
 from replay.writer import RecordRejected
+from tests.stores import rows
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 
 
-async def _open(path: Path, **settings) -> TrajectoryStore:
-    store = TrajectoryStore(str(path), StoreSettings(**settings))
+async def _open(location: str | Path, **settings) -> TrajectoryStore:
+    store = TrajectoryStore(str(location), StoreSettings(**settings))
     await store.start()
     return store
 
@@ -38,8 +40,8 @@ async def _call(store: TrajectoryStore, messages: list[dict], answer: str, *, se
     return ref.id
 
 
-async def test_resent_history_extends_and_edit_forks(tmp_path: Path) -> None:
-    store = await _open(tmp_path / "h.db")
+async def test_resent_history_extends_and_edit_forks(store_location: str) -> None:
+    store = await _open(store_location)
     history = [SYSTEM, {"role": "user", "content": "hi"}]
     t1 = await _call(store, history, "hello")
     history += [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "how are you"}]
@@ -62,20 +64,20 @@ async def test_resent_history_extends_and_edit_forks(tmp_path: Path) -> None:
     await store.close()
 
 
-async def test_stitching_survives_a_restart(tmp_path: Path) -> None:
-    store = await _open(tmp_path / "h.db")
+async def test_stitching_survives_a_restart(store_location: str) -> None:
+    store = await _open(store_location)
     history = [SYSTEM, {"role": "user", "content": "hi"}]
     t1 = await _call(store, history, "hello")
     await store.close()
-    store = await _open(tmp_path / "h.db")
+    store = await _open(store_location)
     t2 = await _call(store, history + [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}],
                      "sure")
     assert t2 == t1
     await store.close()
 
 
-async def test_session_key_wins_and_forks_on_divergence(tmp_path: Path) -> None:
-    store = await _open(tmp_path / "h.db")
+async def test_session_key_wins_and_forks_on_divergence(store_location: str) -> None:
+    store = await _open(store_location)
     a = await _call(store, [{"role": "user", "content": "one"}], "1", session="s1")
     b = await _call(store, [{"role": "user", "content": "one"}, {"role": "assistant", "content": "1"},
                             {"role": "user", "content": "two"}], "2", session="s1")
@@ -90,39 +92,37 @@ async def test_session_key_wins_and_forks_on_divergence(tmp_path: Path) -> None:
     await store.close()
 
 
-async def test_bodies_are_stored_once(tmp_path: Path) -> None:
-    store = await _open(tmp_path / "h.db")
+async def test_bodies_are_stored_once(store_location: str) -> None:
+    store = await _open(store_location)
     history = [SYSTEM]
     turns = 30
     for i in range(turns):
         history.append({"role": "user", "content": f"question {i} " + "x" * 500})
         tid = await _call(store, list(history), f"answer {i}")
         history.append({"role": "assistant", "content": f"answer {i}"})
-    await store.close()
-    db = sqlite3.connect(tmp_path / "h.db")
-    blobs, size = db.execute("SELECT COUNT(*), SUM(LENGTH(body)) FROM blobs").fetchone()
+    [(blobs, size)] = await rows(store, "SELECT COUNT(*), SUM(LENGTH(body)) FROM blobs")
     # system + one user and one assistant message per turn: linear, not quadratic, in the turns
     assert blobs == 1 + 2 * turns
     assert size < 2 * turns * 600
-    assert db.execute("SELECT COUNT(DISTINCT trajectory_id) FROM model_calls").fetchone()[0] == 1
-    assert db.execute("SELECT n_calls FROM trajectories WHERE id = ?", (tid,)).fetchone()[0] == turns
-
-
-async def test_group_commit_under_backpressure(tmp_path: Path) -> None:
-    store = await _open(tmp_path / "h.db", max_queue=4, max_batch=8)
-    await asyncio.gather(*[_call(store, [{"role": "user", "content": f"q{i}"}], "a") for i in range(200)])
+    assert await rows(store, "SELECT COUNT(DISTINCT trajectory_id) FROM model_calls") == [(1,)]
+    assert await rows(store, "SELECT n_calls FROM trajectories WHERE id = ?", tid) == [(turns,)]
     await store.close()
-    db = sqlite3.connect(tmp_path / "h.db")
-    assert db.execute("SELECT COUNT(*) FROM model_calls").fetchone()[0] == 200
-    assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+async def test_group_commit_under_backpressure(store_location: str) -> None:
+    store = await _open(store_location, max_queue=4, max_batch=8)
+    await asyncio.gather(*[_call(store, [{"role": "user", "content": f"q{i}"}], "a") for i in range(200)])
+    assert await rows(store, "SELECT COUNT(*) FROM model_calls") == [(200,)]
+    assert await store.integrity_check() == ["ok"]
+    await store.close()
 
 
 @pytest.mark.parametrize("fault", ["rows", "commit", "statement"])
-async def test_a_write_the_store_cannot_take_fails_alone(tmp_path: Path, fault: str) -> None:
+async def test_a_write_the_store_cannot_take_fails_alone(store_location: str, fault: str) -> None:
     """One write in the middle of concurrent batches that cannot be stored: its rows cannot be built (a value
-    JSON cannot hold), its row fails inside the transaction (an integer past SQLite's), or its statement does.
+    JSON cannot hold), its row fails inside the transaction (an integer past the database's), or its statement does.
     Only its own caller hears of it; every other write of the batch is committed."""
-    store = await _open(tmp_path / "h.db", commit_delay_ms=5)
+    store = await _open(store_location, commit_delay_ms=5)
     poisoned = set(range(3, 200, 17))
 
     async def one(i: int) -> str:
@@ -143,32 +143,34 @@ async def test_a_write_the_store_cannot_take_fails_alone(tmp_path: Path, fault: 
         return ref.id
 
     results = await asyncio.gather(*[one(i) for i in range(200)], return_exceptions=True)
-    await store.close()
     refused = {i for i, r in enumerate(results) if isinstance(r, BaseException)}
     assert refused == poisoned
     assert all(isinstance(results[i], RecordRejected) for i in refused)
-    db = sqlite3.connect(tmp_path / "h.db")
-    stored = {row[0] for row in db.execute("SELECT trajectory_id FROM model_calls")}
+    stored = {row[0] for row in await rows(store, "SELECT trajectory_id FROM model_calls")}
     assert stored == {r for i, r in enumerate(results) if i not in poisoned}
-    assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    assert await store.integrity_check() == ["ok"]
+    await store.close()
 
 
-async def test_delete_by_id_and_age_collects_bodies(tmp_path: Path) -> None:
-    store = await _open(tmp_path / "h.db")
+async def test_delete_by_id_and_age_collects_bodies(store_location: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a shared store bodies younger than twice the writers' trust are spared (another process may count on
+    # them); with no trust at all they are collected at once, as a store only this process writes collects them.
+    monkeypatch.setattr(replay.store, "SHARED_BLOB_TRUST_SECONDS", 0.0)
+    store = await _open(store_location)
     old = await _call(store, [{"role": "user", "content": "old"}], "a")
     new = await _call(store, [{"role": "user", "content": "new"}], "b")
     assert await store.delete(ids=[old]) == 1
     assert await store.get_trajectory(old, all_tenants=True) is None
     assert await store.delete(before=time.time() + 1) == 1
     assert await store.get_trajectory(new, all_tenants=True) is None
+    assert await rows(store, "SELECT COUNT(*) FROM blobs") == [(0,)]
+    assert await rows(store, "SELECT COUNT(*) FROM model_calls") == [(0,)]
+    assert await rows(store, "SELECT COUNT(*) FROM trajectory_text") == [(0,)]
     await store.close()
-    db = sqlite3.connect(tmp_path / "h.db")
-    assert db.execute("SELECT COUNT(*) FROM blobs").fetchone()[0] == 0
-    assert db.execute("SELECT COUNT(*) FROM model_calls").fetchone()[0] == 0
 
 
-async def test_tenant_scoping(tmp_path: Path) -> None:
-    store = await _open(tmp_path / "h.db")
+async def test_tenant_scoping(store_location: str) -> None:
+    store = await _open(store_location)
     mine = await _call(store, [{"role": "user", "content": "x"}], "a", tenant="acme")
     assert await store.get_trajectory(mine, tenant="acme") is not None
     assert await store.get_trajectory(mine, tenant="globex") is None
@@ -177,6 +179,7 @@ async def test_tenant_scoping(tmp_path: Path) -> None:
     await store.close()
 
 
+@pytest.mark.sqlite_only
 def test_migrations_are_versioned(tmp_path: Path) -> None:
     db = sqlite3.connect(tmp_path / "h.db")
     assert migrate(db) == 0
@@ -205,8 +208,8 @@ async def test_a_store_that_ever_had_a_key_remembers_it(tmp_path: Path) -> None:
         await store.close()
 
 
-async def test_n_choices_form_a_group_of_trajectories(tmp_path: Path) -> None:
-    store = await _open(tmp_path / "h.db")
+async def test_n_choices_form_a_group_of_trajectories(store_location: str) -> None:
+    store = await _open(store_location)
     messages = [{"role": "user", "content": "pick a number"}]
     prefix = hashing.prefix_hashes(messages)
     ref = await store.stitch(session_key=None, prefix=prefix, anchor=prefix[0], tenant=None)
@@ -229,8 +232,8 @@ async def test_n_choices_form_a_group_of_trajectories(tmp_path: Path) -> None:
     await store.close()
 
 
-async def test_a_nonce_is_claimed_once_even_across_a_restart(tmp_path: Path) -> None:
-    path = str(tmp_path / "nonces.db")
+async def test_a_nonce_is_claimed_once_even_across_a_restart(store_location: str) -> None:
+    path = store_location
     store = TrajectoryStore(path)
     await store.start()
     assert await keys.claim_nonce(store, "n1", now=1000.0, keep_seconds=600) is True
@@ -260,9 +263,8 @@ async def test_a_statement_cancelled_half_way_still_commits_and_never_locks_late
         # the batch writer (another connection) must get the write lock at once, not after the busy timeout
         await asyncio.wait_for(store.write(WriteOp(statements=[
             ("INSERT INTO bot_nonces(nonce, seen_at) VALUES (?, 2)", (f"b{_}",))])), 3)
-    db = sqlite3.connect(store.path)
-    assert db.execute("SELECT COUNT(*) FROM bot_nonces WHERE seen_at = 2").fetchone() == (20,)
-    assert db.execute("SELECT COUNT(*) FROM bot_nonces WHERE seen_at = 1").fetchone() == (20,)
+    assert await rows(store, "SELECT COUNT(*) FROM bot_nonces WHERE seen_at = 2") == [(20,)]
+    assert await rows(store, "SELECT COUNT(*) FROM bot_nonces WHERE seen_at = 1") == [(20,)]
 
 
 async def test_integrity_check_says_ok_and_finds_damage(tmp_path: Path) -> None:
@@ -288,6 +290,7 @@ async def test_integrity_check_says_ok_and_finds_damage(tmp_path: Path) -> None:
 
 
 async def test_bounded_caches_still_stitch_what_they_evicted(tmp_path: Path) -> None:
+    """SQLite's stitcher caches (PostgreSQL's has none: other processes write there too)."""
     store = await _open(tmp_path / "s.db", cache_entries=100)
     try:
         first = [SYSTEM, {"role": "user", "content": "conversation 0"}]
@@ -301,11 +304,11 @@ async def test_bounded_caches_still_stitch_what_they_evicted(tmp_path: Path) -> 
         await store.close()
 
 
-async def test_what_was_committed_is_read_back_at_once_under_concurrent_reads(tmp_path: Path) -> None:
+async def test_what_was_committed_is_read_back_at_once_under_concurrent_reads(store_location: str) -> None:
     """Reads share one connection: a statement queued between another read's execute and its fetch joined that
     read's WAL snapshot, older than the caller's own commit (here 97 of 200 read back as missing before the fix;
     the soak saw agent runs 404 right after their 201)."""
-    store = await _open(tmp_path / "s.db")
+    store = await _open(store_location)
     try:
         await _call(store, [SYSTEM, {"role": "user", "content": "first"}], "so that listings have rows")
         done = asyncio.Event()

@@ -1,7 +1,5 @@
 """Held calls: the loop pauses for approval, and goes on with the decisions (approve, deny, expiry)."""
 
-import sqlite3
-
 from gateway.agent.context import with_tool_results
 from gateway.agent.loop import APPROVED, EXPIRED, AgentLoop, Profile, RunState
 from gateway.agent.recording import StoreRecorder
@@ -9,6 +7,7 @@ from replay import approvals
 from tests.gateway.agent.conftest import WEATHER, Box, weather
 from tests.gateway.agent.test_loop import _assert_paired
 from tests.scripted import ScriptedBackend, call
+from tests.stores import rows
 
 WRITE = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
 
@@ -48,9 +47,8 @@ async def test_a_held_call_pauses_the_run_and_approval_runs_it(store) -> None:
     assert (held["tool"], held["arguments"], held["call_id"], held["status"]) == (
         "write_file", {"path": "a.txt"}, "c1", "pending")
     assert 59 < held["expires_at"] - held["created_at"] <= 60
-    db = sqlite3.connect(store.path)
-    assert db.execute("SELECT status FROM trajectories").fetchone() == ("pending_approval",)
-    assert sorted(db.execute("SELECT call_id, status FROM tool_calls").fetchall()) == [
+    assert await rows(store, "SELECT status FROM trajectories") == [("pending_approval",)]
+    assert sorted(await rows(store, "SELECT call_id, status FROM tool_calls")) == [
         ("c1", "pending_approval"), ("c2", "ok")]
 
     row, changed = await approvals.decide(store, held["id"], approve=True, reason=None, by="ana",
@@ -65,9 +63,9 @@ async def test_a_held_call_pauses_the_run_and_approval_runs_it(store) -> None:
     assert backend.requests[1]["messages"][-2:] == [
         {"role": "tool", "tool_call_id": "c1", "content": "wrote a.txt"},
         {"role": "tool", "tool_call_id": "c2", "content": '{"city": "Paris", "temp_c": 21}'}]
-    assert sorted(db.execute("SELECT call_id, status, result FROM tool_calls").fetchall()) == [
+    assert sorted(await rows(store, "SELECT call_id, status, result FROM tool_calls")) == [
         ("c1", "ok", "wrote a.txt"), ("c2", "ok", '{"city": "Paris", "temp_c": 21}')]
-    states = [s for (s,) in db.execute("SELECT state FROM events ORDER BY id")]
+    states = [s for (s,) in await rows(store, "SELECT state FROM events ORDER BY id")]
     assert "AWAIT_APPROVAL" in states and states[states.index("AWAIT_APPROVAL") + 1] == "APPROVAL"
 
 
@@ -82,7 +80,7 @@ async def test_denial_becomes_a_tool_result_and_the_run_goes_on(store) -> None:
     note = backend.requests[1]["messages"][-1]
     assert note["role"] == "tool" and note["content"].startswith("Denied: a person did not allow this call to "
                                                                   "write_file (not that file).")
-    assert sqlite3.connect(store.path).execute("SELECT status FROM tool_calls").fetchone() == ("denied",)
+    assert await rows(store, "SELECT status FROM tool_calls") == [("denied",)]
 
 
 async def test_an_expired_approval_cannot_be_decided_and_the_run_goes_on_without_it(store) -> None:

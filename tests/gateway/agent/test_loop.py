@@ -1,13 +1,13 @@
 """Every transition of the agent loop, driven by a scripted model, recorded in a real store."""
 
 import asyncio
-import sqlite3
 
 from gateway.agent.limits import Limits
 from gateway.agent.loop import AgentLoop, Profile, RunState
 from gateway.agent.recording import StoreRecorder
 from tests.gateway.agent.conftest import WEATHER, Box, run_agent, weather
 from tests.scripted import ScriptedBackend, call
+from tests.stores import rows
 
 
 def _tool_messages(state: RunState) -> list[dict]:
@@ -79,8 +79,7 @@ async def test_unknown_tool(store) -> None:
 async def test_broken_json_is_repaired_and_marked(store) -> None:
     state, _, box = await run_agent(store, [call("get_weather", '{"city": "Paris"'), "ok"])
     assert box.ran == [("get_weather", {"city": "Paris"})]
-    db = sqlite3.connect(store.path)
-    assert db.execute("SELECT repaired, valid, status FROM tool_calls").fetchall() == [(1, 1, "ok")]
+    assert await rows(store, "SELECT repaired, valid, status FROM tool_calls") == [(1, 1, "ok")]
 
 
 async def test_text_tool_calls_are_parsed(store) -> None:
@@ -249,12 +248,11 @@ async def test_summary_falls_back_to_extractive(store) -> None:
 
 async def test_events_and_tool_calls_are_stored(store) -> None:
     state, _, _ = await run_agent(store, [call("get_weather", {"city": "Paris"}), "done"])
-    db = sqlite3.connect(store.path)
-    states = [r[0] for r in db.execute("SELECT state FROM events WHERE trajectory_id = ? ORDER BY id",
-                                       (state.run_id,))]
+    states = [r[0] for r in await rows(store, "SELECT state FROM events WHERE trajectory_id = ? ORDER BY id",
+                                       state.run_id)]
     assert states == ["CALL_MODEL", "PARSE", "VALIDATE", "EXECUTE", "OBSERVE", "CALL_MODEL", "PARSE", "FINAL"]
-    assert db.execute("SELECT name, valid, status FROM tool_calls").fetchall() == [("get_weather", 1, "ok")]
-    status, steps = db.execute("SELECT status, steps FROM agent_runs WHERE id = ?", (state.run_id,)).fetchone()
+    assert await rows(store, "SELECT name, valid, status FROM tool_calls") == [("get_weather", 1, "ok")]
+    [(status, steps)] = await rows(store, "SELECT status, steps FROM agent_runs WHERE id = ?", state.run_id)
     assert (status, steps) == ("completed", 2)
 
 
@@ -278,8 +276,7 @@ async def test_resume_from_the_store(store, tmp_path) -> None:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     # ... continues from what the store holds, with its spent budget
-    db = sqlite3.connect(store.path)
-    row = db.execute("SELECT state FROM agent_runs WHERE id = 'run-1'").fetchone()
+    [row] = await rows(store, "SELECT state FROM agent_runs WHERE id = 'run-1'")
     saved = RunState.from_dict(orjson.loads(row[0]))
     assert saved.budget.steps == 1 and saved.messages[-1]["role"] == "tool"
     saved.status, saved.termination_reason = "running", None
