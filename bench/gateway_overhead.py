@@ -4,18 +4,28 @@
 One run, one upstream (nginx returning a fixed ``chat.completion`` body, so the upstream is never the
 bottleneck), one load generator (``wrk``, so no Python client competes for the cores). Targets:
 
-    direct       wrk -> nginx
-    capture_on   wrk -> gateway (open, no keys; every exchange recorded in SQLite) -> nginx
-    capture_off  wrk -> gateway (a ``--no-capture`` API key, on its own database) -> nginx
-    litellm      wrk -> LiteLLM proxy (one worker, no database) -> nginx
+    direct            wrk -> nginx
+    capture_on        wrk -> gateway (open, no keys; every exchange recorded in SQLite) -> nginx
+    capture_off       wrk -> gateway (a ``--no-capture`` API key, on its own database) -> nginx
+    capture_on_pg     wrk -> gateway (capture on, the store on PostgreSQL, one process) -> nginx
+    capture_on_pg_w2  wrk -> gateway (capture on, PostgreSQL, ``[server] workers = 2``) -> nginx
+    litellm           wrk -> LiteLLM proxy (one worker, no database) -> nginx
 
 each at concurrency 1 (``wrk -t1 -c1``) and N (``wrk -t2 -cN``, default 64), after a warm-up, POSTing
 ``{"model": "bench-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}``.
 Each gateway measurement gets a freshly started gateway on a fresh database (``--prefill N`` starts it
-with N trajectories instead): what capture costs depends on what the database holds.
+with N trajectories instead): what capture costs depends on what the database holds. The PostgreSQL targets
+share one throwaway cluster the script starts (``tests/postgres.py``: initdb in a temp folder, a free loopback
+port, fsync on) and stops at the end, each measurement on a fresh database of it; they skip, with the reason
+printed, when PostgreSQL's server binaries or psycopg are missing, and the two-worker one when the gateway has
+no ``[server] workers`` (or starts a single process with it).
 
 Reports requests/second, p50 and p99, the latency each proxy adds over direct, our throughput and p99
-as ratios to LiteLLM's, capture's throughput cost, and pass/fail marks against the targets. Writes the
+as ratios to LiteLLM's, capture's throughput cost, and pass/fail marks against the targets. For the
+capture-on targets it also reports the store's side of each measurement window: CPU seconds per request of
+the gateway (its process group, every worker) and of PostgreSQL (the postmaster and its children) apart,
+and model_calls rows per writer commit (SQLite: the gateway's ``harness_store_commit_batch_size``
+histogram; PostgreSQL: distinct inserting transactions, ``xmin``, of the rows the window added). Writes the
 figures as JSON too. Needs ``wrk`` and ``nginx`` (Debian: ``apt-get install wrk nginx-light``); LiteLLM
 runs from its own virtualenv (created on first run, see ``--litellm-venv``). ``--profile DIR`` then
 profiles the gateway with py-spy under the capture-on high-concurrency load.
@@ -70,14 +80,37 @@ UPSTREAM_BODY = {
                  "finish_reason": "stop"}],
     "usage": {"prompt_tokens": 9, "completion_tokens": 9, "total_tokens": 18},
 }
-TARGETS = ("direct", "capture_on", "capture_off", "litellm")
+TARGETS = ("direct", "capture_on", "capture_off", "capture_on_pg", "capture_on_pg_w2", "litellm")
+PG_WORKERS = 2
 LABELS = {"direct": "direct (nginx)", "capture_on": "gateway capture on",
-          "capture_off": "gateway capture off", "litellm": "LiteLLM proxy"}
+          "capture_off": "gateway capture off", "capture_on_pg": "gateway capture on, PG",
+          "capture_on_pg_w2": f"gateway capture on, PG, {PG_WORKERS} workers", "litellm": "LiteLLM proxy"}
+
+
+@dataclass(frozen=True)
+class GatewayMode:
+    """How a gateway target runs: its store, its processes, whether it records."""
+
+    store: str  # "sqlite" or "postgresql"
+    workers: int = 1
+    capture: bool = True
+
+
+GATEWAY_MODES = {
+    "capture_on": GatewayMode("sqlite"),
+    "capture_off": GatewayMode("sqlite", capture=False),
+    "capture_on_pg": GatewayMode("postgresql"),
+    "capture_on_pg_w2": GatewayMode("postgresql", workers=PG_WORKERS),
+}
+LABEL_WIDTH = max(len(label) for label in LABELS.values())
+PG_TARGETS = tuple(name for name, mode in GATEWAY_MODES.items() if mode.store == "postgresql")
+CAPTURE_TARGETS = tuple(name for name, mode in GATEWAY_MODES.items() if mode.capture)
 
 # Targets printed next to the measurements.
 MAX_ADDED_P50_MS_C1 = 1.0
 MIN_THROUGHPUT_X_LITELLM = 10.0
 MAX_CAPTURE_COST = 0.10
+MIN_PG_W2_X_SQLITE = 1.6  # two workers on PostgreSQL against one process on SQLite, at the high concurrency
 
 # Wide enough for the tables when the output goes to a file or a pipe.
 console = Console(width=None if sys.stdout.isatty() else 180)
@@ -85,6 +118,10 @@ console = Console(width=None if sys.stdout.isatty() else 180)
 
 class BenchError(RuntimeError):
     pass
+
+
+class TargetUnavailable(BenchError):
+    """A target this machine or this checkout cannot run (it is skipped, with the reason, not a failure)."""
 
 
 # -- processes -------------------------------------------------------------------------------------
@@ -221,17 +258,22 @@ http {{
     return conf
 
 
-def gateway_toml(tmp: Path, name: str, port: int, upstream_port: int) -> Path:
+def gateway_toml(tmp: Path, name: str, port: int, upstream_port: int, *, store_url: str | None = None,
+                 workers: int = 1) -> Path:
     d = tmp / name
     d.mkdir()
     path = d / "harness.toml"
+    db = d / "harness.db"
+    store = f'url = "{store_url}"' if store_url else f'path = "{db}"'
+    # Only written when asked for: a gateway without the setting refuses the key.
+    workers_line = f"workers = {workers}\n" if workers != 1 else ""
     path.write_text(f"""[server]
 host = "127.0.0.1"
 port = {port}
 log_level = "warning"
-
+{workers_line}
 [store]
-path = "{d / 'harness.db'}"
+{store}
 
 [[backends]]
 name = "upstream"
@@ -259,10 +301,46 @@ def create_no_capture_key(config: Path) -> str:
     return m.group(1)
 
 
-def count_rows(db: Path, table: str = "model_calls") -> int:
-    """Rows in a gateway database; safe while the gateway runs (WAL, read-only connection)."""
+def is_pg(db: str) -> bool:
+    return db.startswith(("postgresql://", "postgres://"))
+
+
+def pg_connect(url: str) -> Any:
+    import psycopg
+
+    return psycopg.connect(url, autocommit=True, connect_timeout=30)
+
+
+def count_rows(db: str, table: str = "model_calls") -> int:
+    """Rows in a gateway database (a SQLite file or a PostgreSQL URL); safe while the gateway runs."""
+    if is_pg(db):
+        with pg_connect(db) as conn:
+            return conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
     with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)) as conn:
         return conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+
+
+def pg_calls_and_commits(url: str) -> tuple[int, int]:
+    """model_calls rows, and the transactions that inserted them: a row's ``xmin`` is the id of the transaction
+    that inserted it (the gateway never updates a call), so rows committed in one writer batch share it."""
+    with pg_connect(url) as conn:
+        rows, commits = conn.execute("SELECT COUNT(*), COUNT(DISTINCT xmin::text) FROM model_calls").fetchone()
+    return rows, commits
+
+
+_COMMIT_METRIC = re.compile(r"^harness_store_commit_batch_size_(count|sum) ([0-9.e+]+)$", re.MULTILINE)
+
+
+def commit_metrics(base_url: str) -> dict[str, float] | None:
+    """The writer's commits and the records they held, from one gateway process's /metrics."""
+    try:
+        status, _, body = http("GET", f"{base_url}/metrics")
+    except OSError:
+        return None
+    found = dict(_COMMIT_METRIC.findall(body.decode(errors="replace"))) if status == 200 else {}
+    if "count" not in found:
+        return None
+    return {"commits": float(found["count"]), "records": float(found.get("sum", 0))}
 
 
 def litellm_python(venv: Path) -> Path:
@@ -376,6 +454,36 @@ def group_cpu_seconds(pgid: int) -> float:
     return total / _CLK_TCK
 
 
+def group_processes(pgid: int) -> int:
+    """Live processes in a process group."""
+    n = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        n += int(fields[2]) == pgid
+    return n
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of a server and its children: PostgreSQL's postmaster and every process it forks
+    (backends, checkpointer, WAL writer, autovacuum). A child that exits meanwhile (a backend whose connection
+    closed) is not lost: once reaped, its time is in the postmaster's cutime and cstime."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        pid = int(stat.parent.name)
+        if pid == root:
+            total += sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
+        elif int(fields[1]) == root:
+            total += int(fields[11]) + int(fields[12])
+    return total / _CLK_TCK
+
+
 def machine_busy_seconds() -> float:
     """CPU seconds (summed over cores) the whole machine has spent busy since boot."""
     with open("/proc/stat") as f:
@@ -412,10 +520,13 @@ def wait_until_quiet(threshold_pct: float, max_wait: float) -> float:
 
 
 def run_wrk(url: str, script: Path, load: Load, seconds: float, timeout_s: float,
-            server: Service | None = None) -> dict[str, Any]:
+            server: Service | None = None, db_pid: int | None = None) -> dict[str, Any]:
+    """One wrk run; with ``server``, the CPU its process group used meanwhile, and with ``db_pid`` (PostgreSQL's
+    postmaster) the database's apart."""
     argv = ["wrk", f"-t{load.threads}", f"-c{load.concurrency}", f"-d{max(1, round(seconds))}s",
             f"--timeout={timeout_s:g}s", "--latency", "-s", str(script), url]
     cpu0 = group_cpu_seconds(server.proc.pid) if server else 0.0
+    db0 = tree_cpu_seconds(db_pid) if db_pid else 0.0
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     busy0 = machine_busy_seconds()
     out = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + timeout_s + 60,
@@ -423,6 +534,7 @@ def run_wrk(url: str, script: Path, load: Load, seconds: float, timeout_s: float
     busy = machine_busy_seconds() - busy0
     ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     server_cpu = group_cpu_seconds(server.proc.pid) - cpu0 if server else None
+    db_cpu = tree_cpu_seconds(db_pid) - db0 if db_pid else None
     m = re.search(r"^BENCH_JSON (\{.*\})$", out.stdout, re.MULTILINE)
     if out.returncode != 0 or not m:
         raise BenchError(f"wrk failed ({out.returncode}): {' '.join(argv)}\n{out.stdout}\n{out.stderr}")
@@ -431,13 +543,16 @@ def run_wrk(url: str, script: Path, load: Load, seconds: float, timeout_s: float
     secs = raw["duration_us"] / 1e6
     wrk_cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
     cpu: dict[str, Any] = {"wrk_cpu_pct": round(100 * wrk_cpu / secs, 1) if secs else None}
+    if db_cpu is not None:
+        cpu.update({"db_cpu_pct": round(100 * db_cpu / secs, 1) if secs else None,
+                    "db_cpu_ms_per_request": round(1000 * db_cpu / raw["requests"], 4) if raw["requests"] else None})
     if server_cpu is not None:
         cpu.update({"server_cpu_pct": round(100 * server_cpu / secs, 1) if secs else None,
                     "server_cpu_ms_per_request": round(1000 * server_cpu / raw["requests"], 4)
                     if raw["requests"] else None,
                     # Everything else the machine did meanwhile (other people's work, this script: small).
-                    "other_cpu_pct": round(max(0.0, 100 * (busy - server_cpu - wrk_cpu) / secs), 1)
-                    if secs else None})
+                    "other_cpu_pct": round(max(0.0, 100 * (busy - server_cpu - (db_cpu or 0.0) - wrk_cpu)
+                                               / secs), 1) if secs else None})
     return {
         "concurrency": load.concurrency, "threads": load.threads, "duration_s": round(secs, 3),
         "requests": raw["requests"], "errors": errors,
@@ -452,13 +567,52 @@ def run_wrk(url: str, script: Path, load: Load, seconds: float, timeout_s: float
 
 @dataclass
 class Target:
-    """What one measurement runs against: the URL, wrk's script, the server's processes, its database."""
+    """What one measurement runs against: the URL, wrk's script, the server's processes, its database (a
+    SQLite file or a PostgreSQL URL), PostgreSQL's postmaster, how many gateway processes serve."""
 
     url: str
     script: Path
     server: Service
-    db: Path | None = None
+    db: str | None = None
     measured_requests: int = 0
+    db_pid: int | None = None
+    workers: int = 1
+
+    @property
+    def base_url(self) -> str:
+        return self.url.split("/v1/", 1)[0]
+
+
+def store_snapshot(target: Target) -> dict[str, Any]:
+    """What the store holds and how many writer commits made it, at one moment (before or after a window)."""
+    assert target.db
+    snap: dict[str, Any] = {"trajectories": count_rows(target.db, "trajectories")}
+    # /metrics is one process's: with several workers it would be whichever answered.
+    metrics = commit_metrics(target.base_url) if target.workers == 1 else None
+    if is_pg(target.db):
+        snap["calls"], snap["commits"] = pg_calls_and_commits(target.db)
+        snap["commits_source"] = "xmin"
+    else:
+        snap["calls"] = count_rows(target.db)
+        snap["commits"] = metrics["commits"] if metrics else None
+        snap["commits_source"] = "metrics"
+    snap["metrics"] = metrics
+    return snap
+
+
+def store_window(before: dict[str, Any], after: dict[str, Any], secs: float) -> dict[str, Any]:
+    """The store's side of one window: rows added, writer commits, rows per commit."""
+    calls = after["calls"] - before["calls"]
+    out: dict[str, Any] = {"db_calls_added": calls, "commits_source": after["commits_source"]}
+    if after["commits"] is not None and before["commits"] is not None:
+        commits = int(after["commits"] - before["commits"])
+        out.update(writer_commits=commits, commits_per_s=round(commits / secs, 1) if secs else None,
+                   rows_per_commit=round(calls / commits, 2) if commits else None)
+    if after["metrics"] and before["metrics"] and after["commits_source"] != "metrics":
+        # One process on PostgreSQL: its histogram too, as a check of the xmin count.
+        m = after["metrics"]["commits"] - before["metrics"]["commits"]
+        out["metrics_commits"] = int(m)
+    return out
 
 
 def measure(name: str, session: Any, loads: list[Load], args: argparse.Namespace) -> dict[str, Any]:
@@ -477,13 +631,16 @@ def measure(name: str, session: Any, loads: list[Load], args: argparse.Namespace
                 if args.warmup > 0:
                     target.measured_requests += run_wrk(target.url, target.script, load, args.warmup,
                                                         args.wrk_timeout)["requests"]
-                before = count_rows(target.db, "trajectories") if target.db else None
-                r = run_wrk(target.url, target.script, load, args.duration, args.wrk_timeout, target.server)
+                before = store_snapshot(target) if target.db else None
+                r = run_wrk(target.url, target.script, load, args.duration, args.wrk_timeout, target.server,
+                            target.db_pid)
                 target.measured_requests += r["requests"]
-                r.update(attempt=attempt + 1, waited_for_quiet_s=waited)
-                if target.db:
-                    r.update(db_trajectories_before=before,
-                             db_trajectories_after=count_rows(target.db, "trajectories"))
+                r.update(attempt=attempt + 1, waited_for_quiet_s=waited, workers=target.workers)
+                if before is not None:
+                    after = store_snapshot(target)
+                    r.update(db_trajectories_before=before["trajectories"],
+                             db_trajectories_after=after["trajectories"],
+                             **store_window(before, after, r["duration_s"]))
             if best is None or r["other_cpu_pct"] < best["other_cpu_pct"]:
                 best = r
             noisy = args.quiet_threshold > 0 and r["other_cpu_pct"] > args.quiet_threshold
@@ -492,10 +649,14 @@ def measure(name: str, session: Any, loads: list[Load], args: argparse.Namespace
                     if noisy else "")
             db_note = (f", DB {r['db_trajectories_before']:,}->{r['db_trajectories_after']:,} trajectories"
                        if "db_trajectories_before" in r else "")
-            console.print(f"  {LABELS[name]:<22} c={load.concurrency:<3} {r['rps']:>9.1f} req/s  "
+            if r.get("rows_per_commit") is not None:
+                db_note += f", {r['rows_per_commit']:.1f} rows/commit"
+            pg_note = (f"PG CPU {r['db_cpu_pct']:5.1f}% ({r['db_cpu_ms_per_request']:.3f} ms/req), "
+                       if r.get("db_cpu_pct") is not None else "")
+            console.print(f"  {LABELS[name]:<{LABEL_WIDTH}} c={load.concurrency:<3} {r['rps']:>9.1f} req/s  "
                           f"p50 {r['p50_ms']:7.3f} ms  p99 {r['p99_ms']:8.3f} ms  "
                           f"server CPU {r['server_cpu_pct']:5.1f}% "
-                          f"({r['server_cpu_ms_per_request']:.3f} ms/req), "
+                          f"({r['server_cpu_ms_per_request']:.3f} ms/req), " + pg_note +
                           f"wrk CPU {r['wrk_cpu_pct']:5.1f}%, other {r['other_cpu_pct']:4.1f}%"
                           + db_note + err + note)
             if not noisy:
@@ -514,8 +675,13 @@ def fixed_session(target: Target) -> Any:
 
 
 def gateway_session(services: Services, tmp: Path, mode: str, upstream_port: int, prefill: int,
-                    checks: dict[str, Any]) -> Any:
-    """A fresh gateway on a fresh database per measurement, checked to capture (or not) as its mode says."""
+                    checks: dict[str, Any], pg: Any = None) -> Any:
+    """A fresh gateway on a fresh database per measurement, checked to capture (or not) as its mode says.
+
+    PostgreSQL modes take a new database of the bench's cluster (``pg``) each time and drop it afterwards. A mode
+    with several workers raises TargetUnavailable when its first gateway will not start or starts one process:
+    the gateway has no ``[server] workers`` (yet)."""
+    spec = GATEWAY_MODES[mode]
     runs = 0
 
     @contextlib.contextmanager
@@ -524,49 +690,132 @@ def gateway_session(services: Services, tmp: Path, mode: str, upstream_port: int
         runs += 1
         name = f"{mode}-{runs}"
         port = free_port()
-        config = gateway_toml(tmp, name, port, upstream_port)
-        db = config.parent / "harness.db"
+        url_db = pg.database() if spec.store == "postgresql" else None
+        config = gateway_toml(tmp, name, port, upstream_port, store_url=url_db, workers=spec.workers)
+        db = url_db or str(config.parent / "harness.db")
         auth: dict[str, str] = {}
-        if mode == "capture_off":
+        if not spec.capture:
             auth = {"Authorization": f"Bearer {create_no_capture_key(config)}"}
         if prefill:
             prefill_trajectories(db, prefill)
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
-        with serving(services, start_gateway(services, tmp, name, config, port)) as gw:
-            check_chat(name, url, auth)
-            if mode == "capture_off":
-                # The gateway is closed (a key exists): a request without the key must be refused.
-                status = http("POST", url, REQUEST_BODY)[0]
-                if status != 401:
-                    raise BenchError(f"{name}: answered {status} to a request without a key; expected 401")
-            target = Target(url, wrk_script(tmp, name, auth), gw, db, measured_requests=1)
-            yield target
-        recorded = count_rows(db)
-        checks.setdefault(mode, []).append({"measured_requests": target.measured_requests,
-                                            "recorded_calls": recorded})
-        if mode == "capture_on" and recorded < target.measured_requests:
-            raise BenchError(f"{name}: recorded {recorded} calls for {target.measured_requests} requests: "
-                             "it was not capturing")
-        if mode == "capture_off" and recorded:
-            raise BenchError(f"{name}: recorded {recorded} calls with a --no-capture key")
+        try:
+            try:
+                svc = start_gateway(services, tmp, name, config, port)
+            except BenchError as exc:
+                if spec.workers > 1 and runs == 1:
+                    raise TargetUnavailable(f"the gateway did not start with [server] workers = {spec.workers} "
+                                            f"(not implemented yet?): {exc}") from None
+                raise
+            with serving(services, svc) as gw:
+                if spec.workers > 1:
+                    check_workers(gw, spec.workers, first=runs == 1)
+                check_chat(name, url, auth)
+                if not spec.capture:
+                    # The gateway is closed (a key exists): a request without the key must be refused.
+                    status = http("POST", url, REQUEST_BODY)[0]
+                    if status != 401:
+                        raise BenchError(f"{name}: answered {status} to a request without a key; expected 401")
+                target = Target(url, wrk_script(tmp, name, auth), gw, db, measured_requests=1,
+                                db_pid=pg.postmaster_pid() if url_db else None, workers=spec.workers)
+                yield target
+            recorded = count_rows(db)
+            checks.setdefault(mode, []).append({"measured_requests": target.measured_requests,
+                                                "recorded_calls": recorded})
+            if spec.capture and recorded < target.measured_requests:
+                raise BenchError(f"{name}: recorded {recorded} calls for {target.measured_requests} requests: "
+                                 "it was not capturing")
+            if not spec.capture and recorded:
+                raise BenchError(f"{name}: recorded {recorded} calls with a --no-capture key")
+        finally:
+            if url_db:
+                pg.drop(url_db)
 
     return session
 
 
-def prefill_trajectories(db: Path, n: int) -> None:
+def check_workers(gw: Service, workers: int, *, first: bool) -> None:
+    """A gateway asked for several workers must run at least that many processes (in its process group)."""
+    deadline = time.monotonic() + 30
+    while (n := group_processes(gw.proc.pid)) < workers:
+        if time.monotonic() > deadline:
+            message = (f"the gateway runs {n} process(es) with [server] workers = {workers}: the setting seems to "
+                       "be ignored")
+            raise TargetUnavailable(message) if first else BenchError(message)
+        time.sleep(0.2)
+
+
+def prefill_trajectories(db: str, n: int) -> None:
     """Give a fresh database n finished single-call trajectories of the open tenant, as a busy one holds."""
     sys.path.insert(0, str(REPO))
-    from replay.schema import migrate  # the gateway's own schema
+    from replay.schema import migrate, migrate_postgres  # the gateway's own schema
 
+    now = time.time() - 86400
+    rows = [(f"prefill-{i:09d}", secrets.token_hex(32), now + i * 1e-3, now + i * 1e-3) for i in range(n)]
+    sql = ("INSERT INTO trajectories(id, source, status, head_hash, message_count, n_calls, created_at, "
+           "updated_at) VALUES (?, 'proxy', 'completed', ?, 2, 1, ?, ?)")
+    if is_pg(db):
+        with pg_connect(db) as conn:
+            migrate_postgres(conn)
+            with conn.transaction(), conn.cursor() as cur:
+                cur.executemany(sql.replace("?", "%s"), rows)
+        return
     with contextlib.closing(sqlite3.connect(db)) as conn:
         conn.execute("PRAGMA journal_mode=WAL")
         migrate(conn)
-        now = time.time() - 86400
-        conn.executemany(
-            "INSERT INTO trajectories(id, source, status, head_hash, message_count, n_calls, created_at, "
-            "updated_at) VALUES (?, 'proxy', 'completed', ?, 2, 1, ?, ?)",
-            ((f"prefill-{i:09d}", secrets.token_hex(32), now + i * 1e-3, now + i * 1e-3) for i in range(n)))
+        conn.executemany(sql, rows)
         conn.commit()
+
+
+class BenchPostgres:
+    """The PostgreSQL cluster the PostgreSQL targets share: tests/postgres.py's throwaway server (initdb in a temp
+    folder, a free loopback port, fsync on), started once and stopped at the end."""
+
+    def __init__(self) -> None:
+        sys.path.insert(0, str(REPO))
+        try:
+            import psycopg  # noqa: F401
+
+            from tests.postgres import PostgresServer, _bin_dir
+        except ImportError as exc:
+            raise TargetUnavailable(f"cannot use PostgreSQL here ({exc}); install the dev extras") from None
+        bin_dir = _bin_dir()
+        if bin_dir is None:
+            raise TargetUnavailable("PostgreSQL's server binaries are not installed (Debian: apt-get install "
+                                    "postgresql)")
+        self.bin_dir = bin_dir
+        self.server = PostgresServer(bin_dir)
+        try:
+            self.server.start()
+        except subprocess.CalledProcessError as exc:
+            log = self.server.log.read_text(errors="replace") if self.server.log.exists() else ""
+            self.server.stop()
+            raise BenchError(f"PostgreSQL did not start: {exc}\n{(exc.stderr or b'').decode(errors='replace')}"
+                             f"\n{log}") from None
+        self.version = tool_version([str(bin_dir / "postgres"), "--version"])
+        with pg_connect(self.server.admin_url) as conn:
+            self.settings = {k: v for k, v in conn.execute(
+                "SELECT name, setting FROM pg_settings WHERE name IN ('fsync', 'synchronous_commit', "
+                "'shared_buffers', 'max_connections', 'wal_level', 'full_page_writes')").fetchall()}
+
+    def postmaster_pid(self) -> int:
+        return int((self.server.data / "postmaster.pid").read_text().split()[0])
+
+    def database(self) -> str:
+        return self.server.database()
+
+    def drop(self, url: str) -> None:
+        import psycopg
+
+        name = url.rsplit("/", 1)[1]
+        try:
+            with pg_connect(self.server.admin_url) as conn:
+                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        except psycopg.Error as exc:
+            console.print(f"[yellow]could not drop the database {name}: {escape(str(exc))}[/]")
+
+    def stop(self) -> None:
+        self.server.stop()
 
 
 @contextlib.contextmanager
@@ -748,9 +997,10 @@ def print_profile(summary: dict[str, Any]) -> None:
 
 
 def derive(results: dict[str, dict[str, Any]], levels: list[str], high: str) -> dict[str, Any]:
-    d: dict[str, Any] = {"added_latency_ms": {}, "vs_litellm": {}, "capture_cost": {}}
+    d: dict[str, Any] = {"added_latency_ms": {}, "vs_litellm": {}, "capture_cost": {}, "store": {},
+                         "vs_sqlite": {}}
     direct = results.get("direct")
-    for name in ("capture_on", "capture_off", "litellm"):
+    for name in (*GATEWAY_MODES, "litellm"):
         if name not in results or direct is None:
             continue
         d["added_latency_ms"][name] = {
@@ -758,7 +1008,7 @@ def derive(results: dict[str, dict[str, Any]], levels: list[str], high: str) -> 
                 "p99": round(results[name][c]["p99_ms"] - direct[c]["p99_ms"], 3)} for c in levels}
     if "litellm" in results:
         lite = results["litellm"]
-        for name in ("capture_on", "capture_off"):
+        for name in GATEWAY_MODES:
             if name in results:
                 d["vs_litellm"][name] = {
                     c: {"throughput_x": _ratio(results[name][c]["rps"], lite[c]["rps"]),
@@ -767,6 +1017,19 @@ def derive(results: dict[str, dict[str, Any]], levels: list[str], high: str) -> 
         on, off = results["capture_on"], results["capture_off"]
         d["capture_cost"] = {c: round(1 - on[c]["rps"] / off[c]["rps"], 4) if off[c]["rps"] else None
                              for c in levels}
+
+    for name in CAPTURE_TARGETS:
+        if name in results:
+            d["store"][name] = {c: {k: results[name][c].get(k) for k in (
+                "rps", "p99_ms", "server_cpu_ms_per_request", "db_cpu_ms_per_request", "rows_per_commit",
+                "writer_commits", "commits_per_s", "db_calls_added", "workers")} for c in levels}
+    if "capture_on" in results:
+        sqlite = results["capture_on"]
+        for name in PG_TARGETS:
+            if name in results:
+                d["vs_sqlite"][name] = {
+                    c: {"throughput_x": _ratio(results[name][c]["rps"], sqlite[c]["rps"]),
+                        "p99_ratio": _ratio(results[name][c]["p99_ms"], sqlite[c]["p99_ms"])} for c in levels}
 
     targets = []
     for name in ("capture_on", "capture_off"):
@@ -786,6 +1049,11 @@ def derive(results: dict[str, dict[str, Any]], levels: list[str], high: str) -> 
             targets.append({"target": f"capture's throughput cost at c={c[1:]}",
                             "value": round(100 * cost, 2), "unit": "%",
                             "goal": f"< {100 * MAX_CAPTURE_COST:g}%", "pass": cost < MAX_CAPTURE_COST})
+    x = d["vs_sqlite"].get("capture_on_pg_w2", {}).get(high, {}).get("throughput_x")
+    if x is not None:
+        targets.append({"target": f"throughput at c={high[1:]}, PostgreSQL with {PG_WORKERS} workers ÷ SQLite with "
+                                  "one process (capture on)", "value": x, "unit": "x",
+                        "goal": f">= {MIN_PG_W2_X_SQLITE:g}x", "pass": x >= MIN_PG_W2_X_SQLITE})
     d["targets"] = targets
     return d
 
@@ -798,7 +1066,8 @@ def _signed(v: float | None) -> str:
     return "" if v is None else f"{v:+.3f}"
 
 
-def print_report(results: dict[str, dict[str, Any]], derived: dict[str, Any], levels: list[str]) -> None:
+def print_report(results: dict[str, dict[str, Any]], derived: dict[str, Any], levels: list[str],
+                 skipped: dict[str, str] | None = None) -> None:
     table = Table(title="Gateway overhead (wrk, non-streaming chat completion, fixed nginx upstream)",
                   title_justify="left")
     right = {"justify": "right"}
@@ -825,13 +1094,42 @@ def print_report(results: dict[str, dict[str, Any]], derived: dict[str, Any], le
                           end_section=c == levels[-1])
     console.print(table)
     console.print("Δp50/Δp99: latency added over direct at the same concurrency. server CPU: the target's "
-                  "processes, % of one core (nginx for direct); CPU ms/req: that CPU per request; other CPU: "
-                  "everything else on the machine except wrk (noise).")
-    for c in levels:
-        r = results.get("capture_on", {}).get(c)
-        if r and "db_trajectories_before" in r:
-            console.print(f"capture on, c={c[1:]}: the database held {r['db_trajectories_before']:,} "
-                          f"trajectories before the measurement and {r['db_trajectories_after']:,} after")
+                  "processes, % of one core (nginx for direct; the gateway's every worker, PostgreSQL not "
+                  "included); CPU ms/req: that CPU per request; other CPU: everything else on the machine except "
+                  "wrk and PostgreSQL (noise).")
+    stored = [name for name in CAPTURE_TARGETS if name in results]
+    if stored:
+        t = Table(title="The store under capture (a fresh database per measurement)", title_justify="left")
+        for col in ("target", "store", "procs", "conc", "req/s", "p99 ms", "÷ SQLite req/s", "÷ SQLite p99",
+                    "gateway CPU ms/req", "PG CPU ms/req", "total CPU ms/req", "rows/commit", "commits/s"):
+            t.add_column(col, justify="left" if col in ("target", "store") else "right", no_wrap=col == "target")
+        for name in stored:
+            spec = GATEWAY_MODES[name]
+            for c in levels:
+                r = results[name][c]
+                vs = derived["vs_sqlite"].get(name, {}).get(c, {})
+                gw, db = r.get("server_cpu_ms_per_request"), r.get("db_cpu_ms_per_request")
+                rpc = r.get("rows_per_commit")
+                t.add_row(LABELS[name], "PostgreSQL" if spec.store == "postgresql" else "SQLite",
+                          str(spec.workers), c[1:], f"{r['rps']:,.0f}", f"{r['p99_ms']:.3f}",
+                          f"{vs['throughput_x']:.2f}x" if vs.get("throughput_x") else "",
+                          f"{vs['p99_ratio']:.2f}" if vs.get("p99_ratio") else "",
+                          f"{gw:.3f}" if gw is not None else "", f"{db:.3f}" if db is not None else "",
+                          f"{(gw or 0) + (db or 0):.3f}" if gw is not None else "",
+                          f"{rpc:.2f}" if rpc is not None else "",
+                          f"{r['commits_per_s']:,.0f}" if r.get("commits_per_s") is not None else "",
+                          end_section=c == levels[-1])
+        console.print(t)
+        console.print("gateway CPU: the gateway's process group (every worker); PG CPU: the postmaster and its "
+                      "children (backends, WAL writer, checkpointer, autovacuum), both over the measurement "
+                      "window. rows/commit: model_calls rows the window added ÷ writer commits (SQLite: the "
+                      "gateway's commit histogram; PostgreSQL: distinct xmin of those rows).")
+    for name in CAPTURE_TARGETS:
+        for c in levels:
+            r = results.get(name, {}).get(c)
+            if r and "db_trajectories_before" in r:
+                console.print(f"{LABELS[name]}, c={c[1:]}: the database held {r['db_trajectories_before']:,} "
+                              f"trajectories before the measurement and {r['db_trajectories_after']:,} after")
     if derived["capture_cost"]:
         console.print("capture cost (1 - capture-on req/s ÷ capture-off req/s): " + ", ".join(
             f"c={c[1:]}: {100 * v:.1f}%" for c, v in derived["capture_cost"].items() if v is not None))
@@ -845,6 +1143,8 @@ def print_report(results: dict[str, dict[str, Any]], derived: dict[str, Any], le
             mark = "[bold green]PASS[/]" if row["pass"] else "[bold red]FAIL[/]"
             t.add_row(mark, row["target"], f"{row['value']:g} {row['unit']}", row["goal"])
         console.print(t)
+    for name, reason in (skipped or {}).items():
+        console.print(f"[yellow]skipped {LABELS[name]}:[/] {escape(reason)}")
 
 
 # -- main ------------------------------------------------------------------------------------------
@@ -920,6 +1220,8 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="gateway-overhead-"))
     results: dict[str, dict[str, Any]] = {}
     checks: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
+    pg: BenchPostgres | None = None
     profile = None
     started = time.time()
     try:
@@ -949,10 +1251,26 @@ def main(argv: list[str] | None = None) -> int:
             direct = Target(direct_url, wrk_script(tmp, "direct", {}), nginx)
             results["direct"] = measure("direct", fixed_session(direct), loads, args)
 
-        for mode in ("capture_on", "capture_off"):
-            if mode in targets:
-                session = gateway_session(services, tmp, mode, upstream_port, args.prefill, checks)
-                results[mode] = measure(mode, session, loads, args)
+        if any(t in targets for t in PG_TARGETS):
+            try:
+                pg = BenchPostgres()
+                console.print(f"PostgreSQL: {pg.version} on 127.0.0.1:{pg.server.port} "
+                              f"(postmaster pid {pg.postmaster_pid()}), " +
+                              ", ".join(f"{k}={v}" for k, v in sorted(pg.settings.items())))
+            except TargetUnavailable as exc:
+                for t in PG_TARGETS:
+                    if t in targets:
+                        skipped[t] = str(exc)
+                console.print(f"[yellow]skipping the PostgreSQL targets:[/] {escape(str(exc))}")
+
+        for mode in GATEWAY_MODES:
+            if mode in targets and mode not in skipped:
+                session = gateway_session(services, tmp, mode, upstream_port, args.prefill, checks, pg)
+                try:
+                    results[mode] = measure(mode, session, loads, args)
+                except TargetUnavailable as exc:
+                    skipped[mode] = str(exc)
+                    console.print(f"[yellow]skipping {LABELS[mode]}:[/] {escape(str(exc))}")
 
         if "litellm" in targets:
             port = free_port()
@@ -980,6 +1298,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         services.stop_all()
+        if pg is not None:
+            pg.stop()
         if args.keep_tmp:
             console.print(f"temp dir kept: {tmp}")
         else:
@@ -987,7 +1307,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if results:
         derived = derive(results, levels, high)
-        print_report(results, derived, levels)
+        print_report(results, derived, levels, skipped)
         report = {
             "benchmark": "gateway_overhead",
             "started_at": dt.datetime.fromtimestamp(started, dt.UTC).isoformat(timespec="seconds"),
@@ -1001,7 +1321,9 @@ def main(argv: list[str] | None = None) -> int:
                 "litellm": tool_version([str(litellm_python(venv)), "-c",
                                          "import importlib.metadata as m; print(m.version('litellm'))"])
                 if "litellm" in results else None,
+                "postgresql": {"version": pg.version, "settings": pg.settings} if pg is not None else None,
             },
+            "skipped": skipped,
             "results": {name: {c: {k: v for k, v in r.items() if k != "wrk_output"} for c, r in res.items()}
                         for name, res in results.items()},
             "derived": derived,

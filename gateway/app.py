@@ -103,9 +103,6 @@ class Gateway:
 
     async def _start(self) -> None:
         await self.store.start()
-        interrupted = await self.agents.interrupt_unfinished()
-        if interrupted:
-            log.warning("agent.runs_interrupted", count=interrupted)
         for backend in self.backends:
             await backend.start()
         await self.bot.recover()
@@ -113,6 +110,7 @@ class Gateway:
         await self.adapter_manager.reconcile()
         self.spawn(self.adapter_manager.run(self.settings.routing.refresh_seconds), cancel_on_stop=True)
         self.spawn(self._approvals_loop(self.settings.tools.approval_poll_seconds), cancel_on_stop=True)
+        self.spawn(self._leases_loop(self.settings.tools.run_lease_seconds / 3), cancel_on_stop=True)
         if self.settings.store.retention_days:
             self.spawn(self._retention_loop(self.settings.store.retention_days), cancel_on_stop=True)
         log.info("gateway.started", models=sorted(self.model_map), store=redact_url(self.settings.store.location))
@@ -135,6 +133,14 @@ class Gateway:
             except Exception:  # noqa: BLE001 - one failed sweep must not end the loop
                 log.exception("approvals.sweep_failed")
             await asyncio.sleep(seconds)
+
+    async def _leases_loop(self, seconds: float) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            try:
+                await self.agents.renew_leases()
+            except Exception:  # noqa: BLE001 - a lease missed once is renewed the next time, before it expires
+                log.exception("agent.lease_renewal_failed")
 
     async def _retention_loop(self, days: float) -> None:
         while True:

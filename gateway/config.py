@@ -13,8 +13,9 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -50,6 +51,10 @@ class ServerSettings(Section):
         None, gt=0, description="Connections one client address may hold open; more are answered 503 and closed "
         "at once, without taking one of max_connections. Default: half of max_connections. Behind a reverse proxy "
         "(every connection from one address) set it to max_connections.")
+    workers: int = Field(1, gt=0, description="Gateway processes serving one socket; uvicorn's supervisor replaces "
+                         "one that dies. More than 1 needs a PostgreSQL store ([store] url) and no local backend. "
+                         "Each worker keeps its own limits and metrics: max_connections and "
+                         "max_connections_per_client hold per worker, and /metrics counts the worker that answers.")
     admin_key_env: str = Field("HARNESS_ADMIN_KEY", description="Variable holding the admin key.")
     auth_cache_seconds: float = Field(5.0, ge=0, description="How long a key lookup is trusted: a key revoked "
                                       "from the CLI keeps working for at most this long.")
@@ -200,6 +205,8 @@ class BotSettings(Section):
                                             "timestamp and the gateway's clock.")
     rate_limit_messages: int = Field(20, ge=0, description="Messages one user may send per window (0: no limit).")
     rate_limit_window_seconds: float = Field(60.0, gt=0, description="The rate limit's window.")
+    rate_limit_storage: str = Field("memory://", description="Where the rate limit counts messages: memory:// "
+                                    "(each process alone) or a redis://host:port/db URL that replicas share.")
     callback_allow_hosts: AllowHosts = Field(default_factory=list, description="Callback hosts allowed even at "
                                             "private addresses.")
     callback_allow_networks: Networks = Field(default_factory=list, description="CIDR ranges callbacks may "
@@ -212,6 +219,25 @@ class BotSettings(Section):
                                  "below.")
     # Filled from secret_env at load time.
     secret: str | None = Field(None, exclude=True)
+
+    @field_validator("rate_limit_storage")
+    @classmethod
+    def _check_rate_limit_storage(cls, value: str) -> str:
+        # Checked here so that a typo stops the start, not the first message. The value is not echoed: a Redis
+        # URL may carry a password.
+        if value == "memory://":
+            return value
+        url = urlsplit(value)
+        try:
+            url.port  # noqa: B018 (raises on a port that is not a number)
+        except ValueError:
+            raise ValueError("the Redis URL's port must be a number") from None
+        if url.scheme not in ("redis", "rediss") or not url.hostname:
+            raise ValueError("must be memory:// or a Redis URL such as redis://127.0.0.1:6379/0 (rediss:// for TLS)")
+        database = url.path.strip("/")
+        if database and not database.isdigit():
+            raise ValueError("the Redis URL's path must be a database number, as in redis://host:6379/0")
+        return value
 
 
 class Settings(BaseSettings):
@@ -242,6 +268,22 @@ class Settings(BaseSettings):
         for kind, names in (("backend", [b.name for b in self.backends]), ("profile", [p.name for p in self.profiles])):
             if len(set(names)) != len(names):
                 raise ValueError(f"{kind} names must be unique, got {names}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_workers(self) -> Settings:
+        workers = self.server.workers
+        if workers == 1:
+            return self
+        if self.store.url is None:
+            raise ValueError(f"[server] workers = {workers} needs a PostgreSQL store ([store] url): an SQLite file "
+                             "takes one writing process")
+        local = next((b.name for b in self.backends if b.kind == "local"), None)
+        if local is not None:
+            raise ValueError(f"[server] workers = {workers} cannot serve the embedded model (backend {local!r}): each "
+                             "worker would load its own copy of the model and its cache and split the batches, so "
+                             "more workers give less throughput per GB, not more. Run one worker, or serve the model "
+                             "with sglang or vllm and put the workers in front of it")
         return self
 
     @model_validator(mode="after")
@@ -319,10 +361,14 @@ def source_of(layers: Mapping[str, Any], path: tuple[str | int, ...]) -> str:
 
 
 def _problems(exc: ValidationError) -> list[str]:
-    """One line per mistake, by its dotted path (``backends.0.read_timeout``)."""
-    return [f"{'.'.join(str(x) for x in err['loc']) or '(top)'}: "
-            f"{'unknown key' if err['type'] == 'extra_forbidden' else err['msg'].removeprefix('Value error, ')}"
-            for err in exc.errors()]
+    """One line per mistake, by its dotted path (``backends.0.read_timeout``); a check across sections has none,
+    and names its keys in its message."""
+    problems = []
+    for err in exc.errors():
+        message = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+        path = ".".join(str(x) for x in err["loc"])
+        problems.append(f"{path}: {message}" if path else message)
+    return problems
 
 
 def read_sources(path: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None, *,

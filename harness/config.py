@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from gateway.config import ConfigError, load_settings, load_with_sources, source_of
 from harness.config_docs import DOCS_PATH, render_docs
 from harness.support import ConfigOption, HostOption, PortOption, err_console, fail, server_flags
+from replay.database import redact_url
 from training.settings import HarnessSettings
 
 app = typer.Typer(help="The configuration: effective values and their sources, checks, the reference.",
@@ -79,7 +80,9 @@ def render_effective(settings: HarnessSettings, layers: dict[str, Any]) -> str:
             if value is None:
                 lines.append(f"# {_key(key)} is unset  # {source}")
             else:
-                lines.append(f"{_key(key)} = {toml_value(value)}  # {source}")
+                # A URL's password (the store's, Redis's) is a secret too.
+                shown = redact_url(value) if isinstance(value, str) else value
+                lines.append(f"{_key(key)} = {toml_value(shown)}  # {source}")
         for key, value in nested:
             name = f"{header}.{_key(key)}" if header else _key(key)
             if isinstance(value, list):

@@ -19,6 +19,7 @@ from harness.adapters import app as adapters_app
 from harness.approvals import app as approvals_app
 from harness.config import app as config_app
 from harness.replay import app as replay_app
+from harness.store import app as store_app
 from harness.support import (
     ConfigOption,
     HostOption,
@@ -43,6 +44,7 @@ app.add_typer(traj_app, name="trajectories")
 app.add_typer(replay_app, name="replay")
 app.add_typer(adapters_app, name="adapters")
 app.add_typer(approvals_app, name="approvals")
+app.add_typer(store_app, name="store")
 register_training_commands(app)
 app.add_typer(config_app, name="config")
 
@@ -52,11 +54,9 @@ console = Console()
 @app.command()
 def serve(config: str | None = ConfigOption, host: str | None = HostOption, port: int | None = PortOption) -> None:
     """Start the gateway."""
-    import uvicorn
-
     from gateway.app import build_app
     from gateway.logging import configure_logging
-    from gateway.server import bounded_protocol
+    from gateway.serving import serve as serve_app
 
     settings = settings_or_exit(config, server_flags(host, port))
     configure_logging(settings.server.log_format, settings.server.log_level)
@@ -71,17 +71,7 @@ def serve(config: str | None = ConfigOption, host: str | None = HostOption, port
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    server = settings.server
-    # Half by default: one address (a runaway client, or one holding slow connections) leaves the other half
-    # to everyone else, health checks included, while a single local user still has 1,024 connections.
-    per_client = server.max_connections_per_client or max(1, server.max_connections // 2)
-    protocol = bounded_protocol(max_head_bytes=server.max_head_bytes, max_headers=server.max_headers,
-                                head_timeout=server.head_timeout, body_timeout=server.body_timeout,
-                                max_connections_per_client=per_client)
-    # ws="none": no route speaks WebSocket, so an upgrade request is just a request.
-    uvicorn.run(application, host=server.host, port=server.port, log_level="warning", access_log=False,
-                loop="uvloop", http=protocol, ws="none", timeout_graceful_shutdown=10,
-                timeout_keep_alive=server.keep_alive_seconds, limit_concurrency=server.max_connections)
+    serve_app(settings, application)
 
 
 @app.command("run")

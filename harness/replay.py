@@ -26,6 +26,7 @@ from harness.rewards import rewards
 from harness.support import ConfigOption, err_console, fail, settings_or_exit, with_store
 from replay import export as exporting
 from replay import stats as stats_module
+from replay.database import is_postgres
 from replay.filters import Filters, parse_time
 from replay.importer import ImportFileError, import_conversations, read_file
 from replay.readonly import StoreError, open_readonly, schema_version
@@ -36,7 +37,8 @@ from replay.writer import RecordRejected
 app = typer.Typer(help="Select, inspect, import and export trajectories.", no_args_is_help=True)
 console = Console()
 
-StoreOption = typer.Option(None, "--store", help="The SQLite store (default: store.path from the config).")
+StoreOption = typer.Option(None, "--store",
+                           help="The store: an SQLite file or a postgresql:// URL (default: the config's).")
 RedactPatternOption = typer.Option([], "--redact-pattern", help="Another regular expression to redact (repeatable).")
 
 # -- filters: declared once, added to every command that selects trajectories ----------------------------
@@ -101,9 +103,10 @@ def _store_path(config: str | None, store: str | None) -> tuple[Any, str]:
 
     settings = settings_or_exit(config)
     configure_logging("console", "warning")  # stdout is for results (--json), not log lines
-    if store is not None:
-        settings.store.path = store
-    return settings, settings.store.path
+    if store is not None:  # a file, or a URL (the read commands refuse it with a way forward)
+        settings.store.url, settings.store.path = ((store, settings.store.path) if is_postgres(store)
+                                                   else (None, store))
+    return settings, settings.store.location
 
 
 @contextmanager
@@ -254,8 +257,9 @@ def import_(file_name: str = typer.Argument(..., metavar="FILE",
     except ImportFileError as exc:
         fail(f"{file}: {exc}; nothing imported")
 
-    target = settings.store.path
-    if Path(target).exists():  # a new store is created; an existing one must be one this program can write
+    target = settings.store.location
+    # A new store is created; an existing file must be one this program can write.
+    if not is_postgres(target) and Path(target).exists():
         try:
             version = schema_version(target)
         except StoreError as exc:

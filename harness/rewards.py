@@ -41,7 +41,7 @@ def rewards(filters: Filters, config: str | None = ConfigOption, store: str | No
     (source reward_engine, per step where a signal credits steps) and the weighted total as final_reward."""
     settings = settings_or_exit(config)
     configure_logging("console", "warning")  # stdout is for results (--json), not log lines
-    path = store if store is not None else settings.store.path
+    path = store if store is not None else settings.store.location
     for module in signals or []:
         try:
             importlib.import_module(module)

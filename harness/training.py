@@ -20,6 +20,7 @@ from gateway.logging import configure_logging
 from harness.replay import with_filters
 from harness.support import ConfigOption, fail, settings_or_exit
 from replay.adapters import AdapterRegistry, RegistryError, parse_ref
+from replay.database import redact_url
 from replay.filters import Filters
 from training.settings import HarnessSettings
 
@@ -140,7 +141,7 @@ def tasks_capture(suite: str | None = SuiteOption, split: str = typer.Option("tr
     result = asyncio.run(capture(settings, _suite(settings, suite), split, demos=demos, attempts=attempts,
                                  sample=sample, **chosen))
     console.print(f"captured {result.demonstrations} demonstrations and {result.attempts} attempts "
-                  f"({result.attempts_succeeded} succeeded) into {settings.store.path} "
+                  f"({result.attempts_succeeded} succeeded) into {redact_url(settings.store.location)} "
                   f"in {time.perf_counter() - started:.0f} s")
 
 

@@ -9,6 +9,7 @@ same registry safely.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import sqlite3
 import time
@@ -143,11 +144,14 @@ class AdapterRegistry:
         with self._connect() as conn:
             return [_row(r) for r in conn.execute("SELECT * FROM adapters ORDER BY name, version")]
 
-    def stamp(self) -> tuple[int, float]:
-        """Changes whenever any version changes: the gateway re-reads the registry only then."""
+    def stamp(self) -> str:
+        """Changes whenever any version changes: the gateway re-reads the registry only then. A digest of every
+        version's state, not the newest ``updated_at``: replicas write that with their own clocks, and a change
+        made on one whose clock runs behind would not move it."""
         with self._connect() as conn:
-            count, updated = conn.execute("SELECT COUNT(*), COALESCE(MAX(updated_at), 0) FROM adapters").fetchone()
-            return int(count), float(updated)
+            rows = conn.execute("SELECT name, version, status, published, path, metrics, activated_at, updated_at "
+                                "FROM adapters ORDER BY name, version").fetchall()
+        return hashlib.sha256(orjson.dumps([list(r) for r in rows])).hexdigest()
 
     def get(self, name: str, version: int | None = None) -> AdapterVersion:
         with self._connect() as conn:

@@ -211,11 +211,12 @@ class PostgresDatabase:
     dialect = "postgresql"
     shared = True
 
-    def __init__(self, url: str, *, pool_size: int = 8) -> None:
+    def __init__(self, url: str, *, pool_size: int) -> None:
         self.url = url
         self.pool_size = pool_size
         self.write_lock: AbstractAsyncContextManager[Any] = _NoLock()
         self._pool: Any = None
+        self._relaxed: Any = None
         self._batch_conn: Any = None
 
     async def start(self) -> None:
@@ -226,8 +227,13 @@ class PostgresDatabase:
         self._pool = AsyncConnectionPool(self.url, min_size=1, max_size=self.pool_size, open=False,
                                          kwargs={"autocommit": True, "row_factory": keyed_rows},
                                          name="harness-store")
+        self._relaxed = AsyncConnectionPool(self.url, min_size=1, max_size=2, open=False,
+                                            kwargs={"autocommit": True, "row_factory": keyed_rows,
+                                                    "options": "-c synchronous_commit=off"},
+                                            name="harness-store-relaxed")
         try:
             await self._pool.open(wait=True, timeout=30)
+            await self._relaxed.open(wait=True, timeout=30)
         except psycopg.Error as exc:
             raise RuntimeError(f"cannot connect to the store at {redact_url(self.url)}: {exc}") from None
         self._batch_conn = await asyncio.to_thread(self.connect_sync)
@@ -245,14 +251,18 @@ class PostgresDatabase:
             raise RuntimeError(f"cannot connect to the store at {redact_url(self.url)}: {exc}") from None
 
     async def close(self) -> None:
-        if self._pool is not None:
-            await self._pool.close()
+        for pool in (self._pool, self._relaxed):
+            if pool is not None:
+                await pool.close()
         if self._batch_conn is not None:
             await asyncio.to_thread(self._batch_conn.close)
-        self._pool = self._batch_conn = None
+        self._pool = self._relaxed = self._batch_conn = None
 
-    async def fetchall(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
-        async with self._pool.connection() as conn:
+    async def fetchall(self, sql: str, args: Sequence[Any] = (), *, relaxed: bool = False) -> list[Any]:
+        """One statement, committed on its own. ``relaxed``: its commit need not reach the disk before it returns
+        (no fsync), because nothing is acknowledged on it alone: stitching's sequence-number claims, whose call is
+        acknowledged only after the writer's commit, which flushes the log up to and past the claim."""
+        async with (self._relaxed if relaxed else self._pool).connection() as conn:
             cur = await conn.execute(for_postgres(sql), tuple(args))
             return await cur.fetchall()
 
@@ -323,7 +333,7 @@ def redact_url(url: str) -> str:
     return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
 
 
-def open_database(location: str, *, synchronous: str = "NORMAL", pool_size: int = 8) -> Database:
+def open_database(location: str, *, synchronous: str, pool_size: int) -> Database:
     if is_postgres(location):
         return PostgresDatabase(location, pool_size=pool_size)
     return SQLiteDatabase(location, synchronous=synchronous)

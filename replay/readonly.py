@@ -27,6 +27,7 @@ from urllib.parse import quote
 
 import structlog
 
+from replay.database import is_postgres, redact_url
 from replay.schema import SCHEMA_VERSION
 
 log = structlog.get_logger()
@@ -42,6 +43,9 @@ class StoreError(Exception):
 
 def check_file(path: str | os.PathLike[str]) -> Path:
     """The path, if it names an SQLite file; a clear StoreError otherwise."""
+    if is_postgres(str(path)):
+        raise StoreError(f"{redact_url(str(path))} is a PostgreSQL store; this command reads an SQLite file: copy the "
+                         "store into one first with 'harness store migrate URL FILE' and pass the file with --store")
     p = Path(path)
     if not p.exists():
         raise StoreError(f"no store at {p}")

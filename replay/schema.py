@@ -12,6 +12,8 @@ import re
 import sqlite3
 from typing import Any
 
+from replay import search_text
+
 MIGRATIONS: list[str] = [
     # 1: trajectories, content-addressed bodies, model calls, API keys.
     """
@@ -330,9 +332,11 @@ _MIGRATION_LOCK = 0x68_61_72_6E
 def migrate_postgres(conn: Any) -> int:
     """Bring a PostgreSQL database (a psycopg connection in autocommit mode) to the newest schema; returns the
     version it started at. Each migration commits with its new version number, under an advisory lock."""
-    conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+        # Under the lock: two processes creating it at once (workers starting on a fresh database) would collide,
+        # IF NOT EXISTS notwithstanding.
+        conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
         row = conn.execute("SELECT version FROM schema_version").fetchone()
         if row is None:
             conn.execute("INSERT INTO schema_version(version) VALUES (0)")
@@ -359,5 +363,13 @@ def migrate(conn: sqlite3.Connection) -> int:
             f"database schema version {start} is newer than this program knows ({SCHEMA_VERSION})"
         )
     for version in range(start, SCHEMA_VERSION):
-        conn.executescript("BEGIN;\n" + MIGRATIONS[version] + f"\nPRAGMA user_version = {version + 1};\nCOMMIT;")
+        conn.executescript("BEGIN;\n" + MIGRATIONS[version])
+        try:
+            if version + 1 == 10:  # the search index gets the calls stored before it
+                search_text.backfill(conn)
+            conn.execute(f"PRAGMA user_version = {version + 1}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
     return start

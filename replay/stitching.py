@@ -158,30 +158,38 @@ class SharedStitcher:
                 if seq is not None:
                     return TrajectoryRef(id=parent, seq=seq, is_new=False)
             return _new(session_key, parent)
+        anchor_key = f"prefix:{anchor}"
         found: dict[str, str] = {}
+        parent: str | None = None
+        # One round trip for what a request almost always needs: the trajectories whose head its history holds,
+        # and the newest one that shares its opening (the parent of a fork); longer histories take more.
         for i in range(0, len(prefix), 500):
             chunk = prefix[i:i + 500]
             for row in await self.db.fetchall(
-                    f"SELECT head_hash, id FROM trajectories WHERE head_hash IN ({','.join('?' * len(chunk))}) "
-                    "AND tenant IS ? ORDER BY updated_at", (*chunk, tenant)):
-                found[row["head_hash"]] = row["id"]
+                    f"(SELECT head_hash, id FROM trajectories WHERE head_hash IN ({','.join('?' * len(chunk))}) "
+                    "AND tenant IS ? ORDER BY updated_at) "
+                    + ("UNION ALL (SELECT NULL, id FROM trajectories WHERE session_key = ? AND tenant IS ? "
+                       "ORDER BY updated_at DESC LIMIT 1)" if i == 0 else ""),
+                    (*chunk, tenant, *((anchor_key, tenant) if i == 0 else ()))):
+                if row["head_hash"] is None:
+                    parent = row["id"]
+                else:
+                    found[row["head_hash"]] = row["id"]
         for head in reversed(prefix):
             tid = found.get(head)
             if tid is not None:
                 seq = await self._claim(tid, head)
                 if seq is not None:
                     return TrajectoryRef(id=tid, seq=seq, is_new=False)
-                return _new(f"prefix:{anchor}", tid)
-        anchor_key = f"prefix:{anchor}"
-        rows = await self.db.fetchall(_SESSION, (anchor_key, tenant))
-        return _new(anchor_key, rows[0]["id"] if rows else None)
+                return _new(anchor_key, tid)
+        return _new(anchor_key, parent)
 
     async def _claim(self, tid: str, head: str) -> int | None:
         """The next sequence number of ``tid``, if its head is still ``head``; None when it moved on."""
-        [rows] = await self.db.transaction([(
+        rows = await self.db.fetchall(
             "UPDATE trajectories SET next_seq = next_seq + 1 WHERE id = ? AND head_hash = ? RETURNING next_seq - 1",
-            (tid, head))], returning=True)
-        return next(iter(rows[0].values())) if rows else None
+            (tid, head), relaxed=True)
+        return rows[0][0] if rows else None
 
     def advance(self, rec: CallRecord, head: str | None) -> None:
         """The head moves in the database, with the call's commit."""

@@ -18,8 +18,8 @@ import orjson
 import structlog
 
 from replay import hashing
-from replay.model import content_text
 from replay.records import CallRecord, Statement, WriteOp, new_id, pack, split_choices
+from replay.search_text import call_text
 from replay.stitching import LRU
 
 if TYPE_CHECKING:
@@ -99,27 +99,6 @@ _INSERT_TOOL_CALL = """
 
 _INSERT_TEXT = "INSERT INTO trajectory_text(body, trajectory_id) VALUES (?, ?)"
 
-
-def _message_text(message: Any) -> str:
-    if not isinstance(message, dict):
-        return ""
-    parts = [content_text(message.get("content")) or ""]
-    for call in message.get("tool_calls") or ():
-        function = call.get("function") if isinstance(call, dict) else None
-        if isinstance(function, dict):
-            parts.append(f"{function.get('name') or ''} {function.get('arguments') or ''}")
-    return "\n".join(p for p in parts if p)
-
-
-def new_text(rec: CallRecord, replies: list[Any]) -> str:
-    """The text a call adds to its trajectory, for full-text search: the whole request on a trajectory's first
-    call, else the messages after the last assistant turn (the user's or the tools' new ones), and the replies."""
-    messages = rec.request_messages
-    if rec.trajectory.seq > 0:
-        last = max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),
-                   default=-1)
-        messages = messages[last + 1:]
-    return "\n".join(t for t in map(_message_text, [*messages, *replies]) if t)
 
 
 def _reject(fut: asyncio.Future[None], exc: Exception, stage: str) -> None:
@@ -294,7 +273,7 @@ class Writer:
                  int(t["repaired"]), int(t["valid"]), t["validation_error"], t["status"], t.get("result"),
                  t.get("duration_ms"), rec.created_at)
                 for t in rec.tool_calls)
-            text = new_text(rec, replies)
+            text = call_text(ref.seq, rec.request_messages, replies)
             if text:
                 texts.append((text, ref.id))
         # Stitching learns the new heads only once every row of the write is built: a write refused half-way

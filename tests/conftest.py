@@ -11,6 +11,7 @@ from tests import markers
 from tests.extras import skip_without
 from tests.postgres import PostgresServer, require_postgres
 from tests.processes import GatewayProcess, upstream_config
+from tests.redis import RedisServer, require_redis
 from tests.standin import ServerThread, StandIn
 
 if TYPE_CHECKING:
@@ -73,6 +74,15 @@ def postgres() -> Iterator[PostgresServer]:
     server = PostgresServer(require_postgres()).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """One throwaway Redis server for the session (``tests/redis.py``): its URL. Tests share it, so each counts
+    under keys of its own (its own user ids)."""
+    server = RedisServer(require_redis()).start()
+    yield server.url
+    server.remove()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

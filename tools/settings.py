@@ -65,6 +65,9 @@ class ToolsSettings(Section):
                                            "this long is given up, and the run goes on without it.")
     approval_poll_seconds: float = Field(5.0, gt=0, description="How often the gateway looks for decisions made "
                                          "from the command line and for expired approvals.")
+    run_lease_seconds: float = Field(30.0, gt=0, description="How long a gateway process's hold on an agent run "
+                                     "lasts unrenewed (it renews every third of it): a run whose process died is "
+                                     "taken over by another this long after its last renewal.")
     write_max_bytes: int = Field(1_000_000, gt=0, description="Largest file write_file writes.")
     sql_database: str | None = Field(None, description="SQLite file sql_query reads; none disables it.")
     sql_timeout: float = Field(5.0, gt=0, description="Seconds one query may run.")

@@ -74,7 +74,7 @@ async def expert_iteration(settings: HarnessSettings, suite: Suite, evaluator: E
                                       "kept": len(keep)}
             if keep:
                 rows, _ = await asyncio.to_thread(
-                    data.examples_from_store, settings.store.path, Filters(ids=tuple(e.run_id for e in keep)),
+                    data.examples_from_store, settings.store.location, Filters(ids=tuple(e.run_id for e in keep)),
                     tokenizer, max_seq_len=training.max_seq_len, exclude=exclude, rendering=training.tool_rendering)
                 replayed = rng.sample(demonstrations, min(len(demonstrations), round(expert.replay * len(rows))))
                 rows = data.mix(rows + replayed, general_rows, min_recovered_share=0.0,

@@ -43,6 +43,7 @@ from gateway.adapters import archive
 from gateway.backends.local.loading import load_tokenizer
 from gateway.config import ServerSettings
 from replay.adapters import AdapterRegistry, AdapterVersion
+from replay.database import redact_url
 from replay.filters import Filters
 from replay.rewards import recompute, signal_weights, step_limits
 from replay.store import TrajectoryStore
@@ -188,7 +189,7 @@ async def replay_train(settings: HarnessSettings, filters: Filters, *, mode: str
         if decision.passed:
             version, _ = await asyncio.to_thread(registry.promote, name, version.version)
         outcome.registered = version
-        stage("register", f"{version.backend_name} ({version.status}) in {settings.store.path}"
+        stage("register", f"{version.backend_name} ({version.status}) in {redact_url(settings.store.location)}"
               + ("; not published: the gate refused it" if publish else ""))
 
     # The registry holds the stages up to the gate (its numbers go up with the version); the run folder all of them.
@@ -206,7 +207,7 @@ async def _sft(settings: HarnessSettings, filters: Filters, suite: Suite, gate_t
     is one checkpoint and no expert iteration, which would rank against them) and the task rows it trained on."""
     training = settings.training
     tokenizer = await asyncio.to_thread(load_tokenizer, training.model_path)
-    task_rows, stats = await asyncio.to_thread(data.examples_from_store, settings.store.path, filters, tokenizer,
+    task_rows, stats = await asyncio.to_thread(data.examples_from_store, settings.store.location, filters, tokenizer,
                                                max_seq_len=training.max_seq_len, exclude=leak_filter(suite, gate_tasks),
                                                rendering=training.tool_rendering)
     if not task_rows:

@@ -54,7 +54,7 @@ class AdapterManager:
         self._spawn = spawn
         self._also_wanted = also_wanted  # versions canaries send traffic to, kept loaded too
         self._slots: dict[tuple[str, str], _Slot] = {}
-        self._stamp: tuple[int, float] | None = None
+        self._stamp: str | None = None
         self.health: dict[str, dict[str, Any]] = {}  # each remote backend's last probe, for /healthz
 
     def lease(self, target: Target[Backend]) -> Backend:

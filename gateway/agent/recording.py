@@ -17,7 +17,8 @@ from tools.settings import ToolsSettings
 class StoreRecorder:
     def __init__(self, store: TrajectoryStore, *, profile: Profile, backend: str, tenant: str | None = None,
                  key_id: str | None = None, source: str = AGENT, capture: bool = True,
-                 approval_expiry_seconds: float | None = None, metadata: dict[str, Any] | None = None) -> None:
+                 approval_expiry_seconds: float | None = None, metadata: dict[str, Any] | None = None,
+                 lease: runs.Lease | None = None) -> None:
         self.store = store
         self.profile = profile
         self.backend = backend
@@ -29,6 +30,7 @@ class StoreRecorder:
         self.approval_expiry_seconds = (ToolsSettings.default_of("approval_expiry_seconds")
                                         if approval_expiry_seconds is None else approval_expiry_seconds)
         self.metadata = metadata
+        self.lease = lease  # the process's, taken with the run's first commit and kept with each step
 
     async def start(self, state: RunState) -> None:
         if not self.capture:
@@ -37,7 +39,7 @@ class StoreRecorder:
             run_id=state.run_id, profile=self.profile.name, status=state.status, state=state.to_dict(),
             source=self.source, tenant=self.tenant, key_id=self.key_id, requested_model=f"agent:{self.profile.name}",
             base_model=self.profile.model, message_count=len(state.messages), metadata=self.metadata,
-            at=time.time()))))
+            at=time.time(), lease=self.lease))))
 
     async def step(self, state: RunState, record: StepRecord, also: list[Statement] | None = None) -> None:
         """Persist one step with the run's state; ``also`` are more statements for the same commit."""
@@ -81,5 +83,5 @@ class StoreRecorder:
         statements += runs.progress_statements(runs.RunProgress(
             run_id=state.run_id, status=state.status,
             termination_reason=state.termination_reason, steps=state.budget.steps, state=state.to_dict(),
-            result=state.harness(), at=now))
+            result=state.harness(), at=now, lease=self.lease))
         await self.store.write(WriteOp(records=records, statements=statements))

@@ -3,8 +3,12 @@ background runs, approvals and the chat bot share."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import secrets
+import socket
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import orjson
@@ -40,6 +44,16 @@ def profile_from_settings(p: ProfileSettings) -> Profile:
 
 
 class AgentService:
+    """Runs carry leases (``replay/runs.py``): a run is carried on only by the process holding its lease, taken when
+    the run starts or resumes, renewed by ``renew_leases`` while it goes on, released when it pauses or ends.
+
+    The same rule holds on SQLite and PostgreSQL. Nothing is marked ``interrupted`` at start any more: on a shared
+    store the runs left ``running`` may be other live replicas', and a lease tells them apart from a dead process's,
+    which ``sweep`` takes over once its lease expires. On SQLite (one gateway process) that means a run a crash cut
+    short goes on up to ``run_lease_seconds`` after the restart, instead of staying ``interrupted``; the rule needs
+    no knowledge of who else uses the store (a command such as ``harness run`` opens it beside the gateway).
+    """
+
     def __init__(self, *, profiles: list[ProfileSettings], store: TrajectoryStore, registry: ToolRegistry,
                  tool_context: ToolContext, backend_for: Callable[[str], Backend],
                  spawn: Callable[[Coroutine[Any, Any, Any]], None] | None = None) -> None:
@@ -50,7 +64,11 @@ class AgentService:
         self.backend_for = backend_for
         self.spawn = spawn
         self.approval_expiry_seconds = tool_context.settings.approval_expiry_seconds
-        # A run goes on in one place at a time: its first start, a resume after approval, a conversation's turn.
+        # This process among all that share the store: a host may run several, and a pid may come back.
+        self.lease = runs.Lease(owner=f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}",
+                                seconds=tool_context.settings.run_lease_seconds)
+        # Within this process, a run goes on in one place at a time (its first start, a resume after approval, a
+        # conversation's turn); across processes the lease sees to that.
         self.runs = KeyedLock()
         # Called with the state of every run that ``resume`` carried on to its end (or its next pause).
         self.on_finish: list[Callable[[RunState], Awaitable[None]]] = []
@@ -89,7 +107,7 @@ class AgentService:
         backend = self.backend_for(profile.model)
         recorder = StoreRecorder(self.store, profile=profile, backend=backend.name, tenant=tenant, key_id=key_id,
                                  source=source, capture=capture, metadata=metadata,
-                                 approval_expiry_seconds=self.approval_expiry_seconds)
+                                 approval_expiry_seconds=self.approval_expiry_seconds, lease=self.lease)
         toolbox = Toolbox(self.registry, self.tool_context, profile.tools)
         # Count context with the backend's own tokenizer where it has one.
         loop = AgentLoop(profile=profile, backend=backend, toolbox=toolbox, recorder=recorder, state=state,
@@ -113,29 +131,53 @@ class AgentService:
         loop.cancelled_as = ("interrupted", None)
         return loop, recorder
 
-    async def resume(self, run_id: str) -> RunState | None:
-        """Carry on a run from the store: one paused for approval whose held calls are all decided, or one a
-        restart cut off. None when there is nothing to do (yet)."""
+    @contextlib.asynccontextmanager
+    async def leased(self, run_id: str) -> AsyncIterator[bool]:
+        """The run for the caller alone: within this process (its lock), and among all that share the store (its
+        lease, released on leaving); whether the lease was had. Without it, another process carries the run on."""
         async with self.runs.hold(run_id):
-            loaded = await self.load(run_id)
-            if loaded is None:
-                return None
-            loop = loaded[0]
-            state = loop.state
-            if state.status == "pending_approval":
-                decided = await approvals.decisions(self.store, run_id)
-                if any(held["id"] not in decided for held in state.pending):
-                    return None
-                state = await loop.run(decided)
-            elif state.status == "interrupted":
-                state.status = "running"
-                state = await loop.run()
-            else:
-                return None
+            if not await runs.acquire(self.store, run_id, self.lease, now=time.time()):
+                yield False
+                return
+            try:
+                yield True
+            finally:
+                await runs.release(self.store, run_id, self.lease.owner)
+
+    async def resume(self, run_id: str) -> RunState | None:
+        """Carry on a run from the store: one paused for approval whose held calls are all decided, or one a stop
+        or a dead process cut off. None when there is nothing to do (yet), or another process holds its lease.
+
+        The state is read after the lease is taken, so a run another process just finished or paused again is
+        seen as it left it, and not carried on twice."""
+        async with self.leased(run_id) as mine:
+            state = await self._carry_on(run_id) if mine else None
+        if state is None:
+            return None
         log.info("agent.resumed", trajectory_id=run_id, status=state.status)
         for listener in self.on_finish:
             await listener(state)
         return state
+
+    async def _carry_on(self, run_id: str) -> RunState | None:
+        """``resume`` once the lease is held."""
+        loaded = await self.load(run_id)
+        if loaded is None:  # its profile is gone
+            await runs.interrupt(self.store, run_id, at=time.time())
+            return None
+        loop = loaded[0]
+        state = loop.state
+        if state.status == "pending_approval":
+            decided = await approvals.decisions(self.store, run_id)
+            if any(held["id"] not in decided for held in state.pending):
+                return None
+            return await loop.run(decided)
+        # "running": saved mid-run by a process that died (a stop saves "interrupted"); the lease, free or
+        # expired, says nobody else carries it on. It goes on from its last saved step.
+        if state.status in ("interrupted", "running"):
+            state.status = "running"
+            return await loop.run()
+        return None
 
     async def decide(self, approval_id: str, *, approve: bool, reason: str | None, by: str) -> dict[str, Any]:
         """Approve or deny a held call; the run goes on in the background once all its held calls are decided."""
@@ -149,14 +191,25 @@ class AgentService:
         return row
 
     async def sweep(self) -> None:
-        """Expire overdue approvals, and resume runs whose calls were all decided elsewhere (the command line,
-        another gateway process) or while this one was down."""
-        expired = await approvals.expire(self.store, time.time())
+        """Expire overdue approvals; resume runs whose calls were all decided elsewhere (the command line, another
+        gateway process) or while this one was down; take over runs left ``running`` by a process that died (their
+        lease expired). Every other process sweeps too: whichever takes a run's lease first carries it on."""
+        now = time.time()
+        expired = await approvals.expire(self.store, now)
         if expired:
             log.info("approvals.expired", count=expired)
         for run_id in await approvals.settled_runs(self.store):
             if not self.runs.busy(run_id):
                 self._resume_later(run_id)
+        for row in await runs.orphaned(self.store, owner=self.lease.owner, now=now):
+            if not self.runs.busy(row["id"]):
+                # Every live process may see it; the one whose resume takes the lease logs agent.resumed.
+                log.warning("agent.run_orphaned", trajectory_id=row["id"], last_owner=row["lease_owner"])
+                self._resume_later(row["id"])
+
+    async def renew_leases(self) -> None:
+        """Keep the leases of the runs this process carries on from expiring (every third of their time)."""
+        await runs.renew(self.store, self.lease, now=time.time())
 
     def _resume_later(self, run_id: str) -> None:
         assert self.spawn is not None, "resuming in the background needs spawn"
@@ -178,8 +231,3 @@ class AgentService:
                 "created_at": row["created_at"], "updated_at": row["updated_at"],
                 "output": state.get("final"), "messages": state.get("messages", []), "approvals": held,
                 "harness": orjson.loads(row["result"]) if row["result"] else None}
-
-    async def interrupt_unfinished(self) -> int:
-        """After a restart: runs that were mid-flight cannot continue on their own."""
-        return await runs.mark(self.store, from_status="running", to_status="interrupted", at=time.time())
-

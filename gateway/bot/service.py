@@ -16,8 +16,12 @@ from typing import Any
 
 import structlog
 from limits import RateLimitItemPerSecond
-from limits.storage import MemoryStorage
-from limits.strategies import MovingWindowRateLimiter
+from limits.aio.storage import MemoryStorage, RedisStorage, Storage
+from limits.aio.strategies import MovingWindowRateLimiter
+from limits.errors import StorageError
+from redis.asyncio import ConnectionPool
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from gateway.agent.loop import USER_TURN, RunState, StepEvent, StepRecord
@@ -35,12 +39,18 @@ from replay.vocabulary import BOT
 
 log = structlog.get_logger()
 
+# How long a message's turn waits for its conversation's run while another process carries it on.
+LEASE_WAIT_SECONDS = 600.0
 SORRY = "Sorry, something went wrong on my side and I could not answer. Please try again later."
 WAITING = ("I am waiting for a person to approve {calls} before I can go on. Send your message again once it is "
            "decided.")
 STOPPED = "I had to stop before I could finish ({reason})."
 
 Spawn = Callable[..., asyncio.Task[Any]]
+
+# How long a message may wait on Redis for its rate limit (connecting, then answering) before it goes through
+# unlimited: a Redis that hangs must not hang the bot.
+REDIS_TIMEOUT_SECONDS = 0.5
 
 
 class BotService:
@@ -53,11 +63,24 @@ class BotService:
         self.principal = Principal(key_id=None, tenant=settings.tenant)
         self.conversations = KeyedLock()
         self._limit: tuple[MovingWindowRateLimiter, RateLimitItemPerSecond] | None = None
+        self._redis: ConnectionPool | None = None
+        self._limit_down = False  # Redis failed the last message: logged once per outage, not once per message
         if settings.rate_limit_messages:
-            self._limit = (MovingWindowRateLimiter(MemoryStorage()),
+            self._limit = (MovingWindowRateLimiter(self._limit_storage(settings.rate_limit_storage)),
                            RateLimitItemPerSecond(settings.rate_limit_messages,
                                                   max(1, math.ceil(settings.rate_limit_window_seconds))))
         agents.on_finish.append(self._resumed)
+
+    def _limit_storage(self, url: str) -> Storage:
+        """limits' asyncio storage: this process's memory, or a Redis every replica counts in."""
+        if url == "memory://":
+            return MemoryStorage()
+        # Our own pool, to close at shutdown. One immediate retry reconnects after a Redis restart; redis-py's
+        # default backoff would hold a message for seconds.
+        self._redis = ConnectionPool.from_url(url, socket_connect_timeout=REDIS_TIMEOUT_SECONDS,
+                                              socket_timeout=REDIS_TIMEOUT_SECONDS, retry=Retry(NoBackoff(), 1))
+        return RedisStorage("async+" + url, implementation="redispy", connection_pool=self._redis,
+                            wrap_exceptions=True)
 
     def add(self, platform: Platform) -> None:
         self.platforms[platform.name] = platform
@@ -65,17 +88,34 @@ class BotService:
     async def aclose(self) -> None:
         for platform in self.platforms.values():
             await platform.aclose()
+        if self._redis is not None:
+            await self._redis.disconnect()
 
     # -- taking messages in -----------------------------------------------------------------------
 
-    def rate_limited(self, platform: str, user_id: str) -> tuple[str, int] | None:
+    async def rate_limited(self, platform: str, user_id: str) -> tuple[str, int] | None:
         """The reply to a user past the limit and the seconds until they may send again, or None."""
         if self._limit is None:
             return None
         limiter, limit = self._limit
-        if limiter.hit(limit, platform, user_id):
+        try:
+            if await limiter.hit(limit, platform, user_id):
+                reset = None
+            else:
+                reset = (await limiter.get_window_stats(limit, platform, user_id)).reset_time
+        except StorageError as exc:
+            # Fail open: the limit guards a fair share of the model, not access (every request is signed, its
+            # nonce claimed in the store). Refusing everyone while Redis is down would turn its outage into the
+            # bot's; letting messages through costs at most the unlimited traffic of the outage.
+            if not self._limit_down:
+                self._limit_down = True
+                log.warning("bot.rate_limit_unavailable", error=repr(exc.storage_error))
             return None
-        reset = limiter.get_window_stats(limit, platform, user_id).reset_time
+        if self._limit_down:
+            self._limit_down = False
+            log.info("bot.rate_limit_restored")
+        if reset is None:
+            return None
         wait = max(1, math.ceil(reset - time.time()))
         return (f"You are sending messages too fast: at most {self.settings.rate_limit_messages} every "
                 f"{self.settings.rate_limit_window_seconds:g} s. Try again in {wait} s.", wait)
@@ -108,22 +148,36 @@ class BotService:
                                                              message["conversation_id"])
                 if run_id is None:
                     return await self._first_turn(message, platform.profile)
-                async with self.agents.runs.hold(run_id):
-                    loaded = await self.agents.load(run_id)
-                    if loaded is None:  # its profile was removed: the conversation starts afresh with today's
-                        return await self._first_turn(message, platform.profile)
-                    loop, recorder = loaded
-                    if loop.state.status == "pending_approval":
-                        calls = ", ".join(held["name"] for held in loop.state.pending)
-                        return await bot_messages.set_outcome(self.store, message["id"], status=bot_messages.ANSWERED,
-                                                          reply=WAITING.format(calls=calls),
-                                                          harness=loop.state.harness())
-                    loop.state.add_user_turn(message["text"])
-                    await self._record_turn(recorder, loop.state, message)
-                    return await self._answered(message["id"], await loop.run())
+                # The conversation's run may be going on in another process that shares the store (resumed after an
+                # approval, or a turn of a message that reached another replica): its turn waits for the lease.
+                deadline = time.monotonic() + LEASE_WAIT_SECONDS
+                while True:
+                    async with self.agents.leased(run_id) as mine:
+                        if mine:
+                            return await self._next_turn(message, run_id, platform.profile)
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"run {run_id} stayed leased elsewhere for {LEASE_WAIT_SECONDS} s")
+                    await asyncio.sleep(0.2)
         except Exception:
             log.exception("bot.turn_failed", message_id=message["id"])
             return await bot_messages.set_outcome(self.store, message["id"], status=bot_messages.ANSWERED, reply=SORRY)
+
+    async def _next_turn(self, message: dict[str, Any], run_id: str, profile: str) -> dict[str, Any]:
+        """A message's turn in its conversation's run, the run's lease held."""
+        current = await bot_messages.get(self.store, message["id"])
+        if current is None or current["status"] != bot_messages.QUEUED:
+            return current or message  # another process that shares the store took it meanwhile
+        loaded = await self.agents.load(run_id)
+        if loaded is None:  # its profile was removed: the conversation starts afresh with today's
+            return await self._first_turn(message, profile)
+        loop, recorder = loaded
+        if loop.state.status == "pending_approval":
+            calls = ", ".join(held["name"] for held in loop.state.pending)
+            return await bot_messages.set_outcome(self.store, message["id"], status=bot_messages.ANSWERED,
+                                                  reply=WAITING.format(calls=calls), harness=loop.state.harness())
+        loop.state.add_user_turn(message["text"])
+        await self._record_turn(recorder, loop.state, message)
+        return await self._answered(message["id"], await loop.run())
 
     async def _first_turn(self, message: dict[str, Any], profile: str) -> dict[str, Any]:
         """A new conversation: a new run, and the conversation pointing at it, committed with the first turn."""
@@ -229,7 +283,9 @@ class BotService:
         if await self.agents.resume(row["trajectory_id"]) is not None:
             return  # _resumed answered and delivered it
         loaded = await self.agents.load(row["trajectory_id"])
-        if loaded is not None and loaded[0].state.status not in ("interrupted", "pending_approval"):
+        # "running": another process carries it on, or will take it over when its dead owner's lease expires; the
+        # one that finishes it delivers the reply.
+        if loaded is not None and loaded[0].state.status not in ("interrupted", "pending_approval", "running"):
             # The run had ended before the stop; only its message was not updated.
             await self.deliver(await self._answered(row["id"], loaded[0].state))
 

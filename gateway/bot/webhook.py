@@ -82,7 +82,7 @@ class WebhookPlatform:
     async def post_message(self, request: Request) -> Response:
         body = parse_json(await self._signed(request))
         incoming = await self._incoming(body)
-        limited = self.bot.rate_limited(NAME, incoming.user_id)
+        limited = await self.bot.rate_limited(NAME, incoming.user_id)
         if limited:
             raise APIError(429, limited[0], error_type="rate_limit_error", code="rate_limited",
                            headers={"Retry-After": str(limited[1])})

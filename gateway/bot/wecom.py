@@ -146,7 +146,7 @@ class WeComPlatform:
         if msg_id and await bot_messages.seen(self.bot.store, NAME, msg_id):
             log.info("wecom.retry_dropped", msg_id=msg_id)
             return Response(b"")
-        limited = self.bot.rate_limited(NAME, user)
+        limited = await self.bot.rate_limited(NAME, user)
         if limited:
             return self._passive(user, limited[0])
         stored = await self.bot.accept(Incoming(platform=NAME, conversation_id=user, user_id=user,

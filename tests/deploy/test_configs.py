@@ -27,6 +27,7 @@ import yaml
 from packaging.requirements import Requirement
 
 from gateway.config import Settings, load_settings
+from tests.standin import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -588,8 +589,9 @@ def test_nginx_config(path: Path) -> None:
 
 def _nginx_test_config(path: Path, tmp: Path) -> Path:
     """A main nginx.conf around ``path`` as the official image includes it (inside `http { }`), with every
-    upstream host name made a loopback address (nginx resolves them when it reads the file) and every path it
-    writes under ``tmp``."""
+    upstream host name made a loopback address (nginx resolves them when it reads the file), every `listen` a
+    free loopback port (`nginx -t` binds them, and an unprivileged user cannot bind 80) and every path it writes
+    under ``tmp``."""
     hosts: dict[str, str] = {}
 
     def loopback(match: re.Match[str]) -> str:
@@ -597,6 +599,7 @@ def _nginx_test_config(path: Path, tmp: Path) -> Path:
         return f"{match[1]}{host}{match[3]}"
 
     conf = re.sub(r"(?m)^(\s*server\s+)([A-Za-z][\w.-]*)(:\d+)", loopback, path.read_text())
+    conf = re.sub(r"(?m)^(\s*listen\s+)[^\s;]+", lambda m: f"{m[1]}127.0.0.1:{free_port()}", conf)
     (tmp / "conf.d").mkdir()
     (tmp / "conf.d" / path.name).write_text(conf)
     built = subprocess.run(["nginx", "-V"], capture_output=True, text=True, timeout=30).stderr

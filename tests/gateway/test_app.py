@@ -45,7 +45,7 @@ async def test_retention_sweeps_old_trajectories_at_start(tmp_path: Path) -> Non
         await gateway.stop()
 
 
-async def test_runs_left_running_are_marked_interrupted_at_start(tmp_path: Path) -> None:
+async def test_a_run_left_running_that_nobody_can_carry_on_is_marked_interrupted(tmp_path: Path) -> None:
     from gateway.agent.loop import Profile, RunState
     from gateway.agent.recording import StoreRecorder
 
@@ -54,13 +54,18 @@ async def test_runs_left_running_are_marked_interrupted_at_start(tmp_path: Path)
     await gateway.store.start()
     recorder = StoreRecorder(gateway.store, profile=Profile(name="p", model="m"), backend="u")
     await recorder.start(RunState(run_id="left-running", profile="p", messages=[{"role": "user", "content": "x"}]))
-    await gateway.store.close()  # the gateway died with the run mid-flight
+    await gateway.store.close()  # the gateway died with the run mid-flight, holding no lease
 
     gateway = Gateway(settings)
     await gateway.start()
     try:
-        run = await runs.get(gateway.store, "left-running")
-        assert run["status"] == "interrupted"
+        # The first sweep takes the run over; its profile "p" is no longer configured, so it cannot go on.
+        for _ in range(250):
+            run = await runs.get(gateway.store, "left-running")
+            if run["status"] != "running":
+                break
+            await asyncio.sleep(0.02)
+        assert run["status"] == "interrupted" and run["lease_owner"] == gateway.agents.lease.owner
         trajectory = await gateway.store.get_trajectory("left-running", all_tenants=True)
         assert trajectory.status == "interrupted"
     finally:

@@ -58,6 +58,19 @@ def test_bot_settings_name_a_configured_profile(tmp_path: Path) -> None:
             load_settings(environ=env)
 
 
+def test_the_bot_rate_limit_storage_is_memory_or_a_redis_url() -> None:
+    for good in ("memory://", "redis://127.0.0.1:6379/0", "redis://:pw@cache.internal", "rediss://cache:6380/2"):
+        assert load_settings(environ={"HARNESS_BOT__RATE_LIMIT_STORAGE": good}).bot.rate_limit_storage == good
+    for bad, message in (("memory", "must be memory:// or a Redis URL"),
+                         ("memcached://127.0.0.1:11211", "must be memory:// or a Redis URL"),
+                         ("redis://", "must be memory:// or a Redis URL"),
+                         ("redis://:secret@host:port/0", "port must be a number"),
+                         ("redis://:secret@host:6379/cache", "must be a database number")):
+        with pytest.raises(ConfigError, match="bot.rate_limit_storage: .*" + message) as caught:
+            load_settings(environ={"HARNESS_BOT__RATE_LIMIT_STORAGE": bad})
+        assert "secret" not in str(caught.value)
+
+
 def test_config_path_from_environment(tmp_path: Path) -> None:
     cfg = tmp_path / "h.toml"
     cfg.write_text("[server]\nport = 8123\n")

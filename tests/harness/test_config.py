@@ -39,7 +39,8 @@ def test_show_reports_each_source(tmp_path: Path) -> None:
     cfg = tmp_path / "h.toml"
     cfg.write_text("[server]\nport = 8100\nlog_level = 'warning'\n[store]\npath = 'x.db'\n[training]\nrank = 8\n")
     result = runner.invoke(app, ["config", "show", "--config", str(cfg), "--port", "8200"],
-                           env={"HARNESS_STORE__PATH": "y.db", "HARNESS_ADMIN_KEY": "very-secret-admin-key"})
+                           env={"HARNESS_STORE__PATH": "y.db", "HARNESS_ADMIN_KEY": "very-secret-admin-key",
+                                "HARNESS_STORE__URL": "postgresql://harness:db-password@db:5432/harness"})
     assert result.exit_code == 0, result.output
     keys = shown(result.stdout)
     assert keys["server.port"] == ("8200", "flag")
@@ -48,6 +49,8 @@ def test_show_reports_each_source(tmp_path: Path) -> None:
     assert keys["server.max_headers"] == ("100", "default")
     assert keys["server.admin_key_env"] == ('"HARNESS_ADMIN_KEY"', "default; the secret: set, hidden")
     assert "very-secret-admin-key" not in result.output
+    assert keys["store.url"] == ('"postgresql://harness:***@db:5432/harness"', "environment")
+    assert "db-password" not in result.output
     assert f"# File: {cfg}" in result.stdout
     # what it prints is TOML a config file could hold
     import tomllib

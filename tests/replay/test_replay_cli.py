@@ -107,7 +107,7 @@ async def test_reading_beside_a_live_writer(db: Path, tmp_path: Path) -> None:
 
 
 def test_newer_older_and_damaged_stores_are_refused_clearly(db: Path, tmp_path: Path) -> None:
-    def refused(path: Path, *words: str) -> None:
+    def refused(path: Path | str, *words: str) -> None:
         for args in (["stats", "--json"], ["export", "-f", "chat-jsonl", "-o", str(tmp_path / "x.jsonl")]):
             result = replay(*args, "--store", str(path))
             assert result.exit_code == 1, result.output
@@ -115,6 +115,10 @@ def test_newer_older_and_damaged_stores_are_refused_clearly(db: Path, tmp_path: 
             for word in words:
                 assert word in result.stderr
         assert not (tmp_path / "x.jsonl").exists()
+
+    # A PostgreSQL store is read by the gateway and the store commands; these read a file (and say how to get one).
+    refused("postgresql://harness:secret@127.0.0.1:1/harness", "is a PostgreSQL store", "harness store migrate",
+            "harness:***@")
 
     newer = tmp_path / "newer.db"
     newer.write_bytes(db.read_bytes())

@@ -264,6 +264,11 @@ async def test_a_statement_cancelled_half_way_still_commits_and_never_locks_late
         await asyncio.wait_for(store.write(WriteOp(statements=[
             ("INSERT INTO bot_nonces(nonce, seen_at) VALUES (?, 2)", (f"b{_}",))])), 3)
     assert await rows(store, "SELECT COUNT(*) FROM bot_nonces WHERE seen_at = 2") == [(20,)]
+    # The cancelled ones finish behind their callers' backs: on PostgreSQL nothing orders them before the writer's.
+    for _ in range(100):
+        if await rows(store, "SELECT COUNT(*) FROM bot_nonces WHERE seen_at = 1") == [(20,)]:
+            break
+        await asyncio.sleep(0.02)
     assert await rows(store, "SELECT COUNT(*) FROM bot_nonces WHERE seen_at = 1") == [(20,)]
 
 
@@ -325,5 +330,58 @@ async def test_what_was_committed_is_read_back_at_once_under_concurrent_reads(st
         done.set()
         await asyncio.gather(*readers)
         assert missing == 0, f"{missing} of 200 writes were not read back"
+    finally:
+        await store.close()
+
+
+async def test_search_finds_trajectories_by_the_words_of_their_messages(store_location: str) -> None:
+    store = await _open(store_location)
+    try:
+        history = [SYSTEM, {"role": "user", "content": "Where is the Eiffel tower?"}]
+        paris = await _call(store, history, "In Paris, France.", tenant="acme")
+        history += [{"role": "assistant", "content": "In Paris, France."},
+                    {"role": "user", "content": "And how tall is it?"}]
+        assert await _call(store, history, "About 330 metres.", tenant="acme") == paris
+        rome = await _call(store, [SYSTEM, {"role": "user", "content": "Where is the Colosseum?"}], "Rome.",
+                           tenant="acme")
+        other = await _call(store, [SYSTEM, {"role": "user", "content": "Eiffel tower height?"}], "330 m",
+                            tenant="globex")
+
+        async def found(text: str, **scope) -> list[str]:
+            return [t.id for t in await store.search(text, **{"tenant": "acme", **scope})]
+
+        assert await found("eiffel") == [paris]  # case folded; the other tenant's is not seen
+        assert await found("TALL metres") == [paris]  # a later turn's question and answer; every word must match
+        assert await found("where") == [rome, paris]  # newest first
+        assert await found("eiffel rome") == []
+        assert set(await found("eiffel", all_tenants=True)) == {paris, other}
+        assert await found('"; DROP TABLE trajectories; --') == []  # words, never a query language
+        assert await found("-- *") == []
+        assert await found("where", before=rome) == [paris]
+        assert await store.delete(ids=[paris]) == 1
+        assert await found("eiffel") == []
+    finally:
+        await store.close()
+
+
+@pytest.mark.sqlite_only
+async def test_a_store_from_before_the_search_index_is_searchable_after_its_upgrade(tmp_path: Path) -> None:
+    store = await _open(tmp_path / "old.db")
+    history = [SYSTEM, {"role": "user", "content": "Where is the Eiffel tower?"}]
+    tid = await _call(store, history, "In Paris.")
+    await _call(store, [*history, {"role": "assistant", "content": "In Paris."},
+                        {"role": "user", "content": "How tall?"}], "About 330 metres.")
+    await store.close()
+    with sqlite3.connect(tmp_path / "old.db") as db:  # back to schema 9, as such a store was written
+        db.executescript("""DROP TABLE trajectory_text; DROP INDEX agent_runs_lease;
+            ALTER TABLE trajectories DROP COLUMN next_seq; ALTER TABLE agent_runs DROP COLUMN lease_owner;
+            ALTER TABLE agent_runs DROP COLUMN lease_expires_at; ALTER TABLE blobs DROP COLUMN stored_at;
+            PRAGMA user_version = 9;""")
+    store = await _open(tmp_path / "old.db")
+    try:
+        assert [t.id for t in await store.search("eiffel")] == [tid]
+        assert [t.id for t in await store.search("metres tall")] == [tid]
+        # and the upgraded trajectory goes on where it was
+        assert await rows(store, "SELECT next_seq FROM trajectories WHERE id = ?", tid) == [(2,)]
     finally:
         await store.close()
