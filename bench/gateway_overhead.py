@@ -69,6 +69,10 @@ from rich.markup import escape
 from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.procstat import CLK_TCK, group_cpu_seconds, group_processes, tree_cpu_seconds  # noqa: E402
+
 LITELLM_REQUIREMENT = "litellm[proxy]==1.108.0"
 DEFAULT_LITELLM_VENV = REPO / "bench" / ".venv-litellm"
 DEFAULT_JSON = REPO / "bench" / "results" / "gateway_overhead.json"
@@ -438,59 +442,13 @@ class Load:
     threads: int
 
 
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def group_cpu_seconds(pgid: int) -> float:
-    """User + system CPU seconds of the live processes in a process group (a server and its workers)."""
-    total = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:
-            total += int(fields[11]) + int(fields[12])
-    return total / _CLK_TCK
-
-
-def group_processes(pgid: int) -> int:
-    """Live processes in a process group."""
-    n = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        n += int(fields[2]) == pgid
-    return n
-
-
-def tree_cpu_seconds(root: int) -> float:
-    """User + system CPU seconds of a server and its children: PostgreSQL's postmaster and every process it forks
-    (backends, checkpointer, WAL writer, autovacuum). A child that exits meanwhile (a backend whose connection
-    closed) is not lost: once reaped, its time is in the postmaster's cutime and cstime."""
-    total = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        pid = int(stat.parent.name)
-        if pid == root:
-            total += sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
-        elif int(fields[1]) == root:
-            total += int(fields[11]) + int(fields[12])
-    return total / _CLK_TCK
-
-
 def machine_busy_seconds() -> float:
     """CPU seconds (summed over cores) the whole machine has spent busy since boot."""
     with open("/proc/stat") as f:
         fields = [int(x) for x in f.readline().split()[1:]]
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
     guest = sum(fields[8:10]) if len(fields) > 9 else 0  # already counted in user/nice
-    return (sum(fields) - idle - guest) / _CLK_TCK
+    return (sum(fields) - idle - guest) / CLK_TCK
 
 
 def wait_until_quiet(threshold_pct: float, max_wait: float) -> float:
@@ -747,7 +705,6 @@ def check_workers(gw: Service, workers: int, *, first: bool) -> None:
 
 def prefill_trajectories(db: str, n: int) -> None:
     """Give a fresh database n finished single-call trajectories of the open tenant, as a busy one holds."""
-    sys.path.insert(0, str(REPO))
     from replay.schema import migrate, migrate_postgres  # the gateway's own schema
 
     now = time.time() - 86400
@@ -772,7 +729,6 @@ class BenchPostgres:
     folder, a free loopback port, fsync on), started once and stopped at the end."""
 
     def __init__(self) -> None:
-        sys.path.insert(0, str(REPO))
         try:
             import psycopg  # noqa: F401
 

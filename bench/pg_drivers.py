@@ -61,6 +61,7 @@ import psycopg_pool  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from bench.procstat import CLK_TCK, tree_cpu_seconds  # noqa: E402
 from tests.postgres import PostgresServer, _bin_dir  # noqa: E402
 
 console = Console(width=None if sys.stdout.isatty() else 140)
@@ -210,7 +211,6 @@ def seed(url: str, data: Data) -> None:
 # -- measuring --------------------------------------------------------------------------------------
 
 
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -234,15 +234,7 @@ class Meter:
 
     def server_seconds(self) -> float:
         # The postmaster and its children (backends, writers); our connections' backends live for the whole run.
-        ticks = 0
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rpartition(")")[2].split()
-            except OSError:
-                continue
-            if int(stat.parent.name) == self.postmaster or int(fields[1]) == self.postmaster:
-                ticks += int(fields[11]) + int(fields[12])
-        return ticks / _CLK_TCK
+        return tree_cpu_seconds(self.postmaster)
 
     @staticmethod
     def machine_busy_seconds() -> float:
@@ -253,7 +245,7 @@ class Meter:
         """
         with open("/proc/stat") as f:
             user, nice, system = (int(x) for x in f.readline().split()[1:4])
-        return (user + nice + system) / _CLK_TCK
+        return (user + nice + system) / CLK_TCK
 
     async def wait_until_quiet(self, threshold_pct: float, max_wait: float) -> float:
         """Wait until other work stays under threshold_pct of one core for a second; the seconds waited.

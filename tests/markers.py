@@ -7,6 +7,9 @@ starts a server itself calls ``require_integration``, which fails a test that is
 
 from __future__ import annotations
 
+import os
+from typing import NoReturn
+
 import pytest
 
 # Fixtures that start a server (a stand-in upstream, a gateway, a loopback site) or read the embedded
@@ -28,6 +31,14 @@ def mark_collected(items: list[pytest.Item]) -> None:
 def entering(item: pytest.Item) -> None:
     global _current
     _current = item
+
+
+def missing(what: str, required_by: str) -> NoReturn:
+    """A program the test needs is not installed: a skip, or a failure where the environment variable
+    ``required_by`` is 1 (CI sets it, so a missing install step cannot pass as a skip)."""
+    if os.environ.get(required_by) == "1":
+        pytest.fail(f"{what} is not installed and {required_by}=1", pytrace=False)
+    pytest.skip(f"{what} is not installed")
 
 
 def require_integration(what: str) -> None:

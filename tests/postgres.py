@@ -16,9 +16,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-import pytest
-
-from tests.markers import require_integration
+from tests.markers import missing, require_integration
 from tests.standin import free_port
 
 
@@ -33,10 +31,7 @@ def require_postgres() -> Path:
     """The folder of PostgreSQL's server binaries, or a skip (a failure with ``HARNESS_REQUIRE_PG=1``)."""
     found = _bin_dir()
     if found is None:
-        message = "PostgreSQL's server binaries (Debian's postgresql package) are not installed"
-        if os.environ.get("HARNESS_REQUIRE_PG") == "1":
-            pytest.fail(message + " and HARNESS_REQUIRE_PG=1", pytrace=False)
-        pytest.skip(message)
+        missing("PostgreSQL's server (Debian's postgresql package)", "HARNESS_REQUIRE_PG")
     return found
 
 

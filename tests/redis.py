@@ -6,7 +6,6 @@ Debian's ``redis-server`` package provides the binary. Without it the tests that
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -14,9 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import pytest
-
-from tests.markers import require_integration
+from tests.markers import missing, require_integration
 from tests.standin import free_port
 
 
@@ -24,10 +21,7 @@ def require_redis() -> str:
     """The path of ``redis-server``, or a skip (a failure with ``HARNESS_REQUIRE_REDIS=1``)."""
     found = shutil.which("redis-server")
     if found is None:
-        message = "redis-server (Debian's redis-server package) is not installed"
-        if os.environ.get("HARNESS_REQUIRE_REDIS") == "1":
-            pytest.fail(message + " and HARNESS_REQUIRE_REDIS=1", pytrace=False)
-        pytest.skip(message)
+        missing("redis-server (Debian's redis-server package)", "HARNESS_REQUIRE_REDIS")
     return found
 
 

@@ -27,6 +27,7 @@ import yaml
 from packaging.requirements import Requirement
 
 from gateway.config import Settings, load_settings
+from tests.markers import missing
 from tests.standin import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -616,10 +617,7 @@ def _nginx_test_config(path: Path, tmp: Path) -> Path:
 def test_nginx_accepts_the_config(path: Path, tmp_path: Path) -> None:
     """`nginx -t` on the file itself: every directive known, every argument valid."""
     if shutil.which("nginx") is None:
-        message = "nginx (Debian's nginx-light or nginx package) is not installed"
-        if os.environ.get("HARNESS_REQUIRE_NGINX") == "1":
-            pytest.fail(message + " and HARNESS_REQUIRE_NGINX=1", pytrace=False)
-        pytest.skip(message)
+        missing("nginx (Debian's nginx-light or nginx package)", "HARNESS_REQUIRE_NGINX")
     main = _nginx_test_config(path, tmp_path)
     result = subprocess.run(["nginx", "-t", "-p", str(tmp_path), "-e", str(tmp_path / "error.log"), "-c", str(main)],
                             capture_output=True, text=True, timeout=60)

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 from typer.testing import CliRunner
 
@@ -21,26 +20,13 @@ from harness.main import app
 from replay.copying import tables
 from tests.postgres import PostgresServer
 from tests.processes import ROOT
-from tests.replay.whole_store import build
+from tests.replay.whole_store import build, counts
 
 runner = CliRunner()
 
 
 def migrate(*args: str) -> Any:
     return runner.invoke(app, ["store", "migrate", *args], catch_exceptions=False)
-
-
-def _counts(location: str) -> dict[str, int]:
-    if location.startswith("postgresql://"):
-        with psycopg.connect(location) as conn:
-            if conn.execute("SELECT to_regclass('trajectory_text') IS NULL").fetchone()[0]:
-                return {t.name: 0 for t in tables()}  # not migrated yet (the last migration creates it)
-            return {t.name: conn.execute(f"SELECT COUNT(*) FROM {t.name}").fetchone()[0] for t in tables()}
-    conn = sqlite3.connect(location)
-    try:
-        return {t.name: conn.execute(f"SELECT COUNT(*) FROM {t.name}").fetchone()[0] for t in tables()}
-    finally:
-        conn.close()
 
 
 async def test_migrate_prints_every_table_the_same(tmp_path: Path, postgres: PostgresServer) -> None:
@@ -97,19 +83,19 @@ async def test_a_run_killed_mid_copy_resumes_when_run_again(tmp_path: Path, post
     src = tmp_path / "src.db"
     await build(src, agents=150)
     url = postgres.database()
-    total = _counts(str(src))
+    total = counts(str(src))
     command = [sys.executable, "-m", "harness.main", "store", "migrate", str(src), url, "--chunk-rows", "1"]
     env = {"PYTHONPATH": str(ROOT), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
-        while _counts(url)["model_calls"] < 50 and time.monotonic() < deadline and proc.poll() is None:
+        while counts(url)["model_calls"] < 50 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.01)
         assert proc.poll() is None, "the copy finished before it could be killed"
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait(10)
-    held = _counts(url)
+    held = counts(url)
     assert 0 < sum(held.values()) < sum(total.values())
 
     again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
@@ -117,4 +103,4 @@ async def test_a_run_killed_mid_copy_resumes_when_run_again(tmp_path: Path, post
     remaining = sum(total.values()) - sum(held.values())
     # the rerun read only what the killed run had not committed, and all of it was new
     assert f"copied {remaining:,} rows ({remaining:,} new)" in again.stderr
-    assert _counts(url) == total
+    assert counts(url) == total

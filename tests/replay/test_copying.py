@@ -18,7 +18,7 @@ from replay.schema import MIGRATIONS, SCHEMA_VERSION
 from replay.store import TrajectoryStore
 from tests.postgres import PostgresServer
 from tests.replay.builders import digest, side_files
-from tests.replay.whole_store import NONCES, Built, build
+from tests.replay.whole_store import NONCES, Built, build, counts
 from tests.stores import rows
 
 
@@ -42,18 +42,6 @@ async def _found(location: str, word: str) -> list[str]:
         return [t.id for t in await store.search(word, all_tenants=True)]
     finally:
         await store.close()
-
-
-def _counts(location: str) -> dict[str, int]:
-    """Rows per table, read directly."""
-    if location.startswith("postgresql://"):
-        with psycopg.connect(location) as conn:
-            return {t.name: conn.execute(f"SELECT COUNT(*) FROM {t.name}").fetchone()[0] for t in tables()}
-    conn = sqlite3.connect(location)
-    try:
-        return {t.name: conn.execute(f"SELECT COUNT(*) FROM {t.name}").fetchone()[0] for t in tables()}
-    finally:
-        conn.close()
 
 
 def _icu_database(postgres: PostgresServer) -> str:
@@ -166,8 +154,8 @@ async def test_an_interrupted_copy_resumes_where_it_stopped(built: tuple[Path, B
 
     with pytest.raises(Interrupted):
         migrate_store(source, destination, chunk_rows=2, on_progress=_stop_after(table, chunks=2))
-    held = _counts(destination)
-    total = _counts(source)
+    held = counts(destination)
+    total = counts(source)
     assert 0 < held[table] < total[table]
 
     result = migrate_store(source, destination, chunk_rows=2)
@@ -176,7 +164,7 @@ async def test_an_interrupted_copy_resumes_where_it_stopped(built: tuple[Path, B
         # nothing committed before is read again, and everything else is
         assert copy.read == total[copy.table] - held[copy.table], copy
         assert copy.inserted == copy.read, copy
-    assert _counts(destination) == total
+    assert counts(destination) == total
 
 
 async def test_a_complete_copy_run_again_reads_nothing(built: tuple[Path, Built], postgres: PostgresServer) -> None:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import sqlite3
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
+import psycopg
+
 from replay import approvals, bot_messages, feedback, hashing, keys, runs, stored_responses
 from replay.adapters import AdapterRegistry
+from replay.copy_ends import tables
 from replay.records import CallRecord, TrajectoryRef, WriteOp, new_id
 from replay.store import TrajectoryStore
 from tests.replay.builders import agent_trajectory, tool_row
@@ -112,3 +117,14 @@ async def _agent_run(store: TrajectoryStore, word: str) -> tuple[str, int]:
                                                    at=at + 4))]))
     [(largest,)] = await rows(store, "SELECT MAX(id) FROM events")
     return run_id, largest
+
+
+def counts(location: str) -> dict[str, int]:
+    """Rows per table of a store, read directly (every table 0 in a PostgreSQL database not migrated yet)."""
+    if location.startswith("postgresql://"):
+        with psycopg.connect(location) as conn:
+            if conn.execute("SELECT to_regclass('trajectory_text') IS NULL").fetchone()[0]:
+                return {t.name: 0 for t in tables()}  # the last migration creates it
+            return {t.name: conn.execute(f"SELECT COUNT(*) FROM {t.name}").fetchone()[0] for t in tables()}
+    with closing(sqlite3.connect(location)) as conn:
+        return {t.name: conn.execute(f"SELECT COUNT(*) FROM {t.name}").fetchone()[0] for t in tables()}
