@@ -26,11 +26,11 @@ from gateway.bot.service import BotService
 from gateway.bot.webhook import WebhookPlatform
 from gateway.bot.wecom import WeComPlatform
 from gateway.config import Settings
-from gateway.errors import APIError, error_response
+from gateway.errors import APIError, error_response, store_unavailable
 from gateway.metrics import Metrics
 from gateway.routing import Caller, Router
 from replay.adapters import AdapterRegistry
-from replay.database import redact_url
+from replay.database import StoreUnavailable, redact_url
 from replay.store import TrajectoryStore
 from tools.context import ToolContext
 from tools.registry import default_registry
@@ -215,6 +215,11 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
     return Response(status_code=499)
 
 
+async def _store_unavailable(request: Request, exc: Exception) -> Response:
+    log.warning("store.unavailable", path=request.url.path, error=str(exc))
+    return await _api_error(request, store_unavailable())
+
+
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled", path=request.url.path)
     request.app.state.gateway.metrics.errors.labels("server_error").inc()
@@ -263,7 +268,7 @@ def build_app(settings: Settings) -> Starlette:
         routes=routes,
         lifespan=lifespan,
         exception_handlers={404: _not_found, 405: _method_not_allowed, APIError: _api_error,
-                            ClientDisconnect: _client_gone,
+                            ClientDisconnect: _client_gone, StoreUnavailable: _store_unavailable,
                             Exception: _internal_error},
     )
     app.state.gateway = gateway

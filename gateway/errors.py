@@ -31,6 +31,13 @@ def model_not_found(message: str) -> APIError:
     return APIError(404, message, param="model", code="model_not_found")
 
 
+def store_unavailable(headers: dict[str, str] | None = None) -> APIError:
+    """The store cannot be reached or written just now: nothing is answered that is not recorded, so nothing is
+    answered; worth a retry."""
+    return APIError(503, "The trajectory store is unavailable; try again shortly.", error_type="server_error",
+                    code="store_unavailable", headers={**(headers or {}), "retry-after": "1"})
+
+
 def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 

@@ -32,6 +32,10 @@ log = structlog.get_logger()
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 
+# How long a request waits for a connection to PostgreSQL (a free one in the pool, or a new one) before it is
+# answered 503: a server that is down or unreachable must not hold requests for long.
+WAIT_SECONDS = 5
+
 # (sql, rows): ``executemany`` of one statement over rows, inside the writer's transaction.
 Step = tuple[str, Sequence[Sequence[Any]]]
 
@@ -61,6 +65,10 @@ def for_postgres(sql: str) -> str:
         else:
             out.append(ch)
     return "".join(out)
+
+
+class StoreUnavailable(RuntimeError):
+    """The database cannot be reached (or cannot write at all) just now: every request would fail alike."""
 
 
 class Row(tuple):
@@ -225,9 +233,9 @@ class PostgresDatabase:
 
         await asyncio.to_thread(self._migrate)
         self._pool = AsyncConnectionPool(self.url, min_size=1, max_size=self.pool_size, open=False,
-                                         kwargs={"autocommit": True, "row_factory": keyed_rows},
+                                         timeout=WAIT_SECONDS, kwargs={"autocommit": True, "row_factory": keyed_rows},
                                          name="harness-store")
-        self._relaxed = AsyncConnectionPool(self.url, min_size=1, max_size=2, open=False,
+        self._relaxed = AsyncConnectionPool(self.url, min_size=1, max_size=2, open=False, timeout=WAIT_SECONDS,
                                             kwargs={"autocommit": True, "row_factory": keyed_rows,
                                                     "options": "-c synchronous_commit=off"},
                                             name="harness-store-relaxed")
@@ -246,9 +254,9 @@ class PostgresDatabase:
         import psycopg
 
         try:
-            return psycopg.connect(self.url, autocommit=True, row_factory=keyed_rows, connect_timeout=30)
+            return psycopg.connect(self.url, autocommit=True, row_factory=keyed_rows, connect_timeout=WAIT_SECONDS)
         except psycopg.Error as exc:
-            raise RuntimeError(f"cannot connect to the store at {redact_url(self.url)}: {exc}") from None
+            raise StoreUnavailable(f"cannot connect to the store at {redact_url(self.url)}: {exc}") from None
 
     async def close(self) -> None:
         for pool in (self._pool, self._relaxed):
@@ -262,20 +270,61 @@ class PostgresDatabase:
         """One statement, committed on its own. ``relaxed``: its commit need not reach the disk before it returns
         (no fsync), because nothing is acknowledged on it alone: stitching's sequence-number claims, whose call is
         acknowledged only after the writer's commit, which flushes the log up to and past the claim."""
-        async with (self._relaxed if relaxed else self._pool).connection() as conn:
+        async def run(conn: Any) -> list[Any]:
             cur = await conn.execute(for_postgres(sql), tuple(args))
             return await cur.fetchall()
 
+        return await self._on_a_live_connection(self._relaxed if relaxed else self._pool, run)
+
     async def transaction(self, statements: list[Statement], *, returning: bool = False,
                           locked: bool = False) -> list[Any]:
-        out: list[Any] = []
-        async with self._pool.connection() as conn, conn.transaction():
-            for sql, args in statements:
-                cur = await conn.execute(for_postgres(sql), args)
-                out.append([dict(row) for row in await cur.fetchall()] if returning else cur.rowcount)
-        return out
+        async def run(conn: Any) -> list[Any]:
+            out: list[Any] = []
+            async with conn.transaction():
+                for sql, args in statements:
+                    cur = await conn.execute(for_postgres(sql), args)
+                    out.append([dict(row) for row in await cur.fetchall()] if returning else cur.rowcount)
+            return out
+
+        return await self._on_a_live_connection(self._pool, run)
+
+    async def _on_a_live_connection(self, pool: Any, run: Callable[[Any], Any]) -> list[Any]:
+        """``run`` on a pool connection. One the server dropped (a restart, a failover) is found dead only when
+        used: the pool's idle connections are checked then, and ``run`` goes again once on a live one. What failed
+        on a dead connection never reached the server, but for a commit lost in the instant the server went away."""
+        import psycopg
+        from psycopg_pool import PoolTimeout
+
+        for attempt in (1, 2):
+            try:
+                async with pool.connection() as conn:
+                    try:
+                        return await run(conn)
+                    except psycopg.OperationalError:
+                        if attempt == 2 or not conn.broken:
+                            raise
+            except psycopg.OperationalError as exc:
+                if attempt == 2 or not self.whole_store(exc):
+                    raise StoreUnavailable(f"the store at {redact_url(self.url)} cannot be reached: {exc}") from exc
+                log.warning("store.connection_lost", error=str(exc))
+                await pool.check()
+            except PoolTimeout as exc:
+                raise StoreUnavailable(f"no connection to the store at {redact_url(self.url)}: {exc}") from exc
+        raise AssertionError("unreachable")
 
     def commit_steps(self, steps: list[Step], statements: list[Statement], delay: float) -> None:
+        import psycopg
+
+        try:
+            self._commit_steps(steps, statements, delay)
+        except psycopg.OperationalError as exc:
+            if not (self._batch_conn is not None and self._batch_conn.broken):
+                raise
+            # The server dropped the writer's connection (a restart, a failover): once more, on a new one.
+            log.warning("store.writer_connection_lost", error=str(exc))
+            self._commit_steps(steps, statements, delay)
+
+    def _commit_steps(self, steps: list[Step], statements: list[Statement], delay: float) -> None:
         conn = self._batch_conn
         if conn is None or conn.closed or conn.broken:
             if conn is not None:
@@ -296,7 +345,7 @@ class PostgresDatabase:
 
         # The connection or the server failed (OperationalError covers a lost connection, a shutdown, the disk
         # full); a row's own fault is a DataError or an IntegrityError, and is that write's alone.
-        return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))
+        return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError, StoreUnavailable))
 
 
 class PostgresConnection:
@@ -309,7 +358,7 @@ class PostgresConnection:
         import psycopg
 
         try:
-            self.conn = psycopg.connect(url, autocommit=True, row_factory=keyed_rows, connect_timeout=30)
+            self.conn = psycopg.connect(url, autocommit=True, row_factory=keyed_rows, connect_timeout=WAIT_SECONDS)
         except psycopg.Error as exc:
             raise RuntimeError(f"cannot connect to the store at {redact_url(url)}: {exc}") from None
 

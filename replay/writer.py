@@ -12,18 +12,16 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 import structlog
 
 from replay import hashing
+from replay.database import Database, StoreUnavailable
 from replay.records import CallRecord, Statement, WriteOp, new_id, pack, split_choices
 from replay.search_text import call_text
 from replay.stitching import LRU
-
-if TYPE_CHECKING:
-    from replay.database import Database
 
 log = structlog.get_logger()
 
@@ -165,9 +163,10 @@ class Writer:
                     await self._commit_batch(batch)
             except Exception as exc:  # noqa: BLE001 - every waiter must hear of the failure
                 log.error("store.commit_failed", error=str(exc), batch=len(batch))
+                failure = StoreUnavailable(str(exc)) if self._db.whole_store(exc) else exc
                 for _, fut in batch:
                     if not fut.done():
-                        fut.set_exception(exc)
+                        fut.set_exception(failure)
             finally:
                 for _ in batch:
                     self._queue.task_done()

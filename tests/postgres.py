@@ -57,11 +57,19 @@ class PostgresServer:
         require_integration("a PostgreSQL server")
         self._run(str(self.bin / "initdb"), "-D", str(self.data), "-U", "harness", "--auth=trust", "-E", "UTF8",
                   "--no-instructions")
+        self.resume()
+        return self
+
+    def resume(self) -> None:
+        """Start the server (again, after ``pause``), on the same port."""
         # fsync stays on: the kill -9 tests rely on commits being durable the way production's are.
         options = (f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c max_connections=200 "
                    "-c shared_buffers=64MB")
         self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-o", options, "-w", "start")
-        return self
+
+    def pause(self) -> None:
+        """Stop the server as an operator does (its clients' connections are closed), keeping its data."""
+        self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop")
 
     def stop(self) -> None:
         try:

@@ -19,11 +19,12 @@ from gateway.agent import guard
 from gateway.agent.validation import function_schemas
 from gateway.auth import Principal
 from gateway.backends.base import Backend, BackendError, ChatRequest, ChatResult, ChunkStream
-from gateway.errors import APIError
+from gateway.errors import APIError, store_unavailable
 from gateway.protocol.chat import ChatCompletionRequest, ChunkAccumulator, carries_output
 from gateway.routing import Target
 from gateway.streaming import unless_disconnected
 from replay import hashing
+from replay.database import StoreUnavailable
 from replay.records import CallRecord, Statement, TrajectoryRef, WriteOp, new_id
 from replay.writer import RecordRejected
 
@@ -194,6 +195,8 @@ async def _save(request: Request, exchange: Exchange, records: list[CallRecord],
             # Nothing is answered that is not recorded; the other exchanges committed with it are stored.
             raise APIError(502, f"The exchange could not be recorded, so it is not answered: {exc}.",
                            error_type="server_error", code="record_failed", headers=exchange.headers) from None
+        except StoreUnavailable:
+            raise store_unavailable(exchange.headers) from None
 
 
 def _record_disconnect(request: Request, exchange: Exchange, records: list[CallRecord]) -> None:
