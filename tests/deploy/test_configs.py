@@ -26,7 +26,7 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from gateway.config import Settings, load_settings
+from gateway.config import load_settings
 from tests.markers import missing
 from tests.standin import free_port
 
@@ -214,14 +214,6 @@ def test_requirements_are_pinned(path: Path) -> None:
 
 # -- compose -------------------------------------------------------------------------------------------------
 
-# Settings that compose files set before the settings model has them (they come with the PostgreSQL store and
-# the shared rate limits, written alongside). While a key is missing from the model its variable is left out of
-# the load below; once the model has it, it is validated like any other, and its entry here can go.
-PENDING_SETTINGS = {
-    "HARNESS_STORE__URL": ("store", "url"),
-    "HARNESS_SERVER__WORKERS": ("server", "workers"),
-    "HARNESS_BOT__RATE_LIMIT_STORAGE": ("bot", "rate_limit_storage"),
-}
 DEPENDS_CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
 
 
@@ -310,17 +302,14 @@ def _healthcheck(path: Path, service: dict[str, Any]) -> list[str]:
 
 def _gateway_settings(path: Path, service: dict[str, Any]) -> tuple[Any, dict[str, str]]:
     """A gateway service's settings, as its config file and its environment (interpolated) give them, and that
-    environment. Loading fails on a variable that names no setting (other than a pending one)."""
+    environment. Loading fails on a variable that names no setting."""
     command = service["command"]
     assert "--config" in command, "harness serve without --config"
     target = command[command.index("--config") + 1]
     source = _mounts(service).get(target)
     assert source and (path.parent / source).is_file(), f"--config {target} is not a file mounted from deploy/"
     env = {name: _interpolate(value) for name, value in _environment(service).items()}
-    pending = {name for name, (section, key) in PENDING_SETTINGS.items()
-               if name in env and key not in Settings.model_fields[section].annotation.model_fields}
-    settings = load_settings(path.parent / source, environ={k: v for k, v in env.items() if k not in pending})
-    return settings, env
+    return load_settings(path.parent / source, environ=env), env
 
 
 @params(COMPOSE)
