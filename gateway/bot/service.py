@@ -39,6 +39,8 @@ from replay.vocabulary import BOT
 
 log = structlog.get_logger()
 
+# Marks a turn's row whose message another process took: that one answers and delivers it.
+ANSWERED_ELSEWHERE = "answered_elsewhere"
 # How long a message's turn waits for its conversation's run while another process carries it on.
 LEASE_WAIT_SECONDS = 600.0
 SORRY = "Sorry, something went wrong on my side and I could not answer. Please try again later."
@@ -138,7 +140,9 @@ class BotService:
         self.spawn(self._deliver_when_done(turn), cancel_on_stop=True)
 
     async def _deliver_when_done(self, turn: asyncio.Task[dict[str, Any]]) -> None:
-        await self.deliver(await turn)
+        row = await turn
+        if not row.get(ANSWERED_ELSEWHERE):  # the process that answered it delivers it
+            await self.deliver(row)
 
     async def _turn(self, message: dict[str, Any]) -> dict[str, Any]:
         platform = self.platforms[message["platform"]]
@@ -166,7 +170,9 @@ class BotService:
         """A message's turn in its conversation's run, the run's lease held."""
         current = await bot_messages.get(self.store, message["id"])
         if current is None or current["status"] != bot_messages.QUEUED:
-            return current or message  # another process that shares the store took it meanwhile
+            # Another process that shares the store took it meanwhile (its recovery, at a start): it answers and
+            # delivers it.
+            return {**(current or message), ANSWERED_ELSEWHERE: True}
         loaded = await self.agents.load(run_id)
         if loaded is None:  # its profile was removed: the conversation starts afresh with today's
             return await self._first_turn(message, profile)
@@ -223,6 +229,11 @@ class BotService:
         (or failed, with the last error). A reply with nowhere to go stays answered, to be polled."""
         platform = self.platforms.get(row["platform"])
         if row["status"] != bot_messages.ANSWERED or platform is None or not platform.enabled:
+            return
+        # As it is now: the reply may have gone back meanwhile another way (in a response, to a poll), maybe
+        # through another process that shares the store.
+        current = await bot_messages.get(self.store, row["id"])
+        if current is None or current["status"] != bot_messages.ANSWERED:
             return
         attempts = 0
         retrying = AsyncRetrying(stop=stop_after_attempt(self.settings.callback_attempts),

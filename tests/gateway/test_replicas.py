@@ -19,6 +19,7 @@ import pytest
 
 from gateway.bot.signing import signed_headers
 from tests.gateway.adapters.test_lifecycle import adapter_folder
+from tests.gateway.bot.support import Receiver
 from tests.postgres import PostgresServer
 from tests.processes import GatewayProcess, upstream_config
 from tests.redis import RedisServer, require_redis
@@ -113,6 +114,38 @@ def test_a_conversations_messages_landing_on_two_replicas_at_once_join_its_one_r
             assert conn.execute("SELECT COUNT(*) FROM agent_runs").fetchone()[0] == 1
     turns = [m for m in orjson.loads(state)["messages"] if m["role"] == "user"]
     assert len(turns) == 11, f"the run holds {len(turns)} of the 11 turns"
+
+
+def test_a_message_a_restarting_replica_recovers_while_another_holds_it_is_answered_and_called_back_once(
+        standin: tuple[StandIn, str], postgres: PostgresServer, tmp_path: Path) -> None:
+    """A's first turn of a conversation is slow; its second message waits behind it, queued. B restarts meanwhile,
+    and its recovery finds that message queued: both take it up, one answers it under the run's lease, and the other,
+    finding it taken, leaves its delivery to that one. Each reply is called back once."""
+    receiver = Receiver()
+    bot = 'callback_allow_networks = ["127.0.0.0/8"]\ncallback_backoff_seconds = 0.05\nsync_timeout_seconds = 0.1\n'
+    with ServerThread(receiver.app) as hook, \
+            replicas(tmp_path, _config(standin[1], url := postgres.database(), bot)) as (a, b):
+        def send(text: str) -> dict[str, Any]:
+            raw = orjson.dumps({"conversation_id": "c", "user_id": "ada", "text": text,
+                                "callback_url": hook.url + "/hook"})
+            response = _post(a, raw)
+            assert response.status_code == 202, response.text
+            return response.json()
+
+        first = send("slow:5")
+        second = send("slow:0.2")
+        assert second["status"] == "queued"
+        b.stop()
+        b.start()  # its recovery finds the second message queued
+        receiver.wait(2, timeout=30)
+        time.sleep(1.0)  # a second callback, if one were coming
+        import psycopg
+
+        with psycopg.connect(url) as conn:
+            [(state,)] = conn.execute("SELECT state FROM agent_runs").fetchall()
+    called = sorted(orjson.loads(body)["id"] for _, body in receiver.requests)
+    assert called == sorted([first["id"], second["id"]])
+    assert [m["content"] for m in orjson.loads(state)["messages"] if m["role"] == "user"] == ["slow:5", "slow:0.2"]
 
 
 # -- rate limits ---------------------------------------------------------------------------------------------
