@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import structlog
@@ -109,8 +109,12 @@ class Gateway:
         await self.adapter_manager.refresh(force=True)
         await self.adapter_manager.reconcile()
         self.spawn(self.adapter_manager.run(self.settings.routing.refresh_seconds), cancel_on_stop=True)
-        self.spawn(self._approvals_loop(self.settings.tools.approval_poll_seconds), cancel_on_stop=True)
-        self.spawn(self._leases_loop(self.settings.tools.run_lease_seconds / 3), cancel_on_stop=True)
+        # Expired approvals, decisions made elsewhere and runs whose process died; and this process's run leases,
+        # renewed three times a lease so one missed renewal never lets a live run be taken over.
+        self.spawn(self._every(self.settings.tools.approval_poll_seconds, self.agents.sweep, "approvals.sweep_failed"),
+                   cancel_on_stop=True)
+        self.spawn(self._every(self.settings.tools.run_lease_seconds / 3, self.agents.renew_leases,
+                               "agent.lease_renewal_failed", first_wait=True), cancel_on_stop=True)
         if self.settings.store.retention_days:
             self.spawn(self._retention_loop(self.settings.store.retention_days), cancel_on_stop=True)
         log.info("gateway.started", models=sorted(self.model_map), store=redact_url(self.settings.store.location))
@@ -126,21 +130,18 @@ class Gateway:
         await self.bot.aclose()
         await self.store.close()
 
-    async def _approvals_loop(self, seconds: float) -> None:
+    @staticmethod
+    async def _every(seconds: float, work: Callable[[], Awaitable[Any]], failed: str, *,
+                     first_wait: bool = False) -> None:
+        """``work`` every ``seconds`` until cancelled; a failed round is logged as ``failed``, and the next goes on."""
+        if first_wait:
+            await asyncio.sleep(seconds)
         while True:
             try:
-                await self.agents.sweep()
-            except Exception:  # noqa: BLE001 - one failed sweep must not end the loop
-                log.exception("approvals.sweep_failed")
+                await work()
+            except Exception:  # noqa: BLE001 - one failed round must not end the loop
+                log.exception(failed)
             await asyncio.sleep(seconds)
-
-    async def _leases_loop(self, seconds: float) -> None:
-        while True:
-            await asyncio.sleep(seconds)
-            try:
-                await self.agents.renew_leases()
-            except Exception:  # noqa: BLE001 - a lease missed once is renewed the next time, before it expires
-                log.exception("agent.lease_renewal_failed")
 
     async def _retention_loop(self, days: float) -> None:
         while True:

@@ -172,9 +172,8 @@ def _upgrade_hint(location: str) -> str:
 def _postgres(location: str) -> Iterator[Side]:
     try:
         conn = PostgresConnection(location)
-    except RuntimeError as exc:
-        # libpq quotes a URL it cannot parse whole, password and all
-        raise CopyError(str(exc).replace(location, redact_url(location))) from None
+    except RuntimeError as exc:  # StoreUnavailable, its message without the password
+        raise CopyError(str(exc)) from None
     try:
         yield Side(location, conn)
     finally:

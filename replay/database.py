@@ -104,10 +104,6 @@ class _NoLock(AbstractAsyncContextManager[None]):
         return None
 
 
-def _held() -> _NoLock:
-    return _NoLock()
-
-
 # SQLite's primary result codes that speak of the database, not of a row: busy, locked, out of memory, read-only,
 # I/O error, corrupt, full, cannot open, not a database. Every write fails with these; none is to blame.
 _SQLITE_STORE_FAILURES = frozenset({5, 6, 7, 8, 10, 11, 13, 14, 26})
@@ -176,7 +172,7 @@ class SQLiteDatabase:
         """``locked``: the caller holds ``write_lock`` already."""
         assert self._write_conn is not None
         out: list[Any] = []
-        async with _held() if locked else self.write_lock:
+        async with _NoLock() if locked else self.write_lock:
             try:
                 for sql, args in statements:
                     cur = await self._write_conn.execute(sql, args)
@@ -251,12 +247,7 @@ class PostgresDatabase:
             migrate_postgres(conn)
 
     def connect_sync(self) -> Any:
-        import psycopg
-
-        try:
-            return psycopg.connect(self.url, autocommit=True, row_factory=keyed_rows, connect_timeout=WAIT_SECONDS)
-        except psycopg.Error as exc:
-            raise StoreUnavailable(f"cannot connect to the store at {redact_url(self.url)}: {exc}") from None
+        return connect_postgres(self.url)
 
     async def close(self) -> None:
         for pool in (self._pool, self._relaxed):
@@ -348,6 +339,18 @@ class PostgresDatabase:
         return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError, StoreUnavailable))
 
 
+def connect_postgres(url: str) -> Any:
+    """A psycopg connection in autocommit mode, its rows ``Row``s; ``StoreUnavailable`` when it cannot be made, its
+    message without the URL's password (libpq quotes back a URL it cannot parse, password and all)."""
+    import psycopg
+
+    try:
+        return psycopg.connect(url, autocommit=True, row_factory=keyed_rows, connect_timeout=WAIT_SECONDS)
+    except psycopg.Error as exc:
+        reason = str(exc).replace(url, redact_url(url))
+        raise StoreUnavailable(f"cannot connect to the store at {redact_url(url)}: {reason}") from None
+
+
 class PostgresConnection:
     """A plain psycopg connection (autocommit) that takes the repositories' spelling, as ``sqlite3``'s does: for the
     short synchronous transactions of the adapter registry and the commands."""
@@ -355,12 +358,7 @@ class PostgresConnection:
     dialect = "postgresql"
 
     def __init__(self, url: str) -> None:
-        import psycopg
-
-        try:
-            self.conn = psycopg.connect(url, autocommit=True, row_factory=keyed_rows, connect_timeout=WAIT_SECONDS)
-        except psycopg.Error as exc:
-            raise RuntimeError(f"cannot connect to the store at {redact_url(url)}: {exc}") from None
+        self.conn = connect_postgres(url)
 
     def execute(self, sql: str, args: Sequence[Any] = ()) -> Any:
         return self.conn.execute(for_postgres(sql), tuple(args))

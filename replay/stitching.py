@@ -101,10 +101,10 @@ class Stitcher:
         return TrajectoryRef(id=tid, seq=seq, is_new=False)
 
     def _new(self, scope: str, session_key: str, parent: str | None) -> TrajectoryRef:
-        tid = new_id()
-        self._sessions.put(scope + session_key, tid)
-        self._state.put(tid, [None, 1])
-        return TrajectoryRef(id=tid, seq=0, is_new=True, session_key=session_key, parent_id=parent)
+        ref = _new(session_key, parent)
+        self._sessions.put(scope + session_key, ref.id)
+        self._state.put(ref.id, [None, 1])
+        return ref
 
     def _state_of(self, tid: str) -> list[Any]:
         """[current head hash, next call sequence number] of a trajectory."""

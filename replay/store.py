@@ -165,15 +165,11 @@ class TrajectoryStore:
 
     def _collect_blobs(self) -> str:
         """Bodies no call refers to, stored (or last touched by a writer) before ``?``."""
-        if self.db.dialect == "sqlite":
-            each = "json_each(model_calls.{0}) AS j"
-            ref = "j.value"
-        else:
-            each = "jsonb_array_elements_text(model_calls.{0}::jsonb) AS j(value)"
-            ref = "j.value"
+        each = ("json_each(model_calls.{0}) AS j" if self.db.dialect == "sqlite"
+                else "jsonb_array_elements_text(model_calls.{0}::jsonb) AS j(value)")
         return f"""DELETE FROM blobs WHERE stored_at < ? AND hash NOT IN (
-                       SELECT {ref} FROM model_calls, {each.format('request_messages')}
-                       UNION SELECT {ref} FROM model_calls, {each.format('response_messages')}
+                       SELECT j.value FROM model_calls, {each.format('request_messages')}
+                       UNION SELECT j.value FROM model_calls, {each.format('response_messages')}
                        UNION SELECT tools_hash FROM model_calls WHERE tools_hash IS NOT NULL)"""
 
     # -- for the repositories in replay/ alone -------------------------------------------------------
