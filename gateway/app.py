@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.adapters.manager import AdapterManager
 from gateway.adapters.service import AdapterService
 from gateway.agent.service import AgentService
-from gateway.api import adapters, agent, approvals, chat, health, models, openapi, responses, trajectories
+from gateway.api import adapters, agent, approvals, chat, health, messages, models, openapi, responses, trajectories
 from gateway.auth import Authenticator, is_loopback
 from gateway.backends import build_backend
 from gateway.backends.base import Backend
@@ -195,20 +195,24 @@ def _route_name(scope: Scope) -> str:
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
-    return error_response(APIError(404, f"Unknown route {request.method} {request.url.path}.",
-                                   code="not_found"))
+    return _render(request, APIError(404, f"Unknown route {request.method} {request.url.path}.", code="not_found"))
 
 
 async def _method_not_allowed(request: Request, exc: Exception) -> Response:
-    return error_response(APIError(405, f"Method {request.method} is not allowed on {request.url.path}.",
-                                   code="method_not_allowed"))
+    return _render(request, APIError(405, f"Method {request.method} is not allowed on {request.url.path}.",
+                                     code="method_not_allowed"))
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     request.scope["state"].get("log", {})["error"] = exc.code or exc.error_type
     request.app.state.gateway.metrics.errors.labels(exc.error_type).inc()
-    return error_response(exc)
+    return _render(request, exc)
+
+
+def _render(request: Request, exc: APIError) -> Response:
+    """OpenAI's error envelope, or Anthropic's on the Messages API, whose clients read only that."""
+    return messages.anthropic_error(exc) if messages.is_messages_path(request.url.path) else error_response(exc)
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:
@@ -224,7 +228,7 @@ async def _store_unavailable(request: Request, exc: Exception) -> Response:
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled", path=request.url.path)
     request.app.state.gateway.metrics.errors.labels("server_error").inc()
-    return error_response(APIError(500, "The gateway failed to handle this request.", error_type="server_error"))
+    return _render(request, APIError(500, "The gateway failed to handle this request.", error_type="server_error"))
 
 
 def build_app(settings: Settings) -> Starlette:
@@ -242,6 +246,8 @@ def build_app(settings: Settings) -> Starlette:
         Route("/v1/chat/completions", chat.chat_completions, methods=["POST"], name="chat"),
         Route("/v1/responses", responses.create_response, methods=["POST"], name="responses"),
         Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"], name="response"),
+        Route("/v1/messages", messages.create_message, methods=["POST"], name="messages"),
+        Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"], name="messages_count_tokens"),
         Route("/v1/agent/runs", agent.create_run, methods=["POST"], name="agent_runs"),
         Route("/v1/agent/runs/{run_id}", agent.get_run, methods=["GET"], name="agent_run"),
         Route("/v1/models", models.list_models, methods=["GET"], name="models"),

@@ -70,11 +70,17 @@ class ServerSettings(Section):
     admin_key: str | None = Field(None, exclude=True)
 
 
+# A small CPU model that does not stop would otherwise hold the engine for minutes on one ceiling request.
+LOCAL_MAX_OUTPUT_TOKENS = 1024
+
+
 class BackendSettings(Section):
     name: str = Field(description="Unique name, shown in logs and owned_by.")
-    kind: Literal["openai", "sglang", "vllm", "local"] = Field(
-        "openai", description="openai (any OpenAI-compatible upstream), sglang, vllm, or local (the embedded "
-        "model); sglang, vllm and local load LoRA adapters at runtime.")
+    kind: Literal["openai", "sglang", "vllm", "local", "anthropic"] = Field(
+        "openai", description="openai (any OpenAI-compatible upstream), sglang, vllm, local (the embedded "
+        "model), or anthropic (an Anthropic Messages API upstream, served on /v1/messages only and passed through "
+        "byte for byte; base_url is its root as ANTHROPIC_BASE_URL takes it, e.g. https://api.anthropic.com); "
+        "sglang, vllm and local load LoRA adapters at runtime.")
     base_url: str | None = Field(None, description="The upstream's OpenAI base URL, e.g. "
                                  "http://127.0.0.1:30000/v1; required unless local.")
     api_key_env: str | None = Field(None, description="Variable holding the upstream's API key.")
@@ -87,6 +93,10 @@ class BackendSettings(Section):
     max_connections: int = Field(256, gt=0, description="Connection pool size.")
     max_response_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest upstream response (a stream's "
                                     "events together); past it the exchange ends with a 502, recorded as an error.")
+    max_output_tokens: int | None = Field(None, gt=0, description="Largest max_tokens a Messages API request "
+                                          "(whose max_tokens is a ceiling: Claude Code asks for 128,000) sends to "
+                                          "this backend; larger ones are lowered to it (default: none; local: "
+                                          f"{LOCAL_MAX_OUTPUT_TOKENS}, and never more than the context leaves).")
     # local kind
     model_path: str | None = Field(
         None, description="local: a GGUF file or a cached folder; default the embedded model.")
@@ -265,6 +275,8 @@ class Settings(BaseSettings):
     def _default_backend(self) -> Settings:
         if not self.backends:
             self.backends = [BackendSettings(name="local", kind="local")]
+            # Claude Code names claude-* models; with nothing configured they mean the one model there is.
+            self.routing.aliases.setdefault("claude-*", DEFAULT_MODEL_NAME)
         for kind, names in (("backend", [b.name for b in self.backends]), ("profile", [p.name for p in self.profiles])):
             if len(set(names)) != len(names):
                 raise ValueError(f"{kind} names must be unique, got {names}")

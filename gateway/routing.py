@@ -2,7 +2,9 @@
 
 The pipeline, in order:
 
-1. alias: a configured alias stands for another model name (``support`` = ``qwen:sql``);
+1. alias: a configured alias stands for another model name (``support`` = ``qwen:sql``); an alias with ``*``, ``?``
+   or ``[`` is a shell-style pattern (``claude-*haiku*`` = ``small``), tried in the configured order after every
+   exact alias: clients such as Claude Code name a new model with each release;
 2. default: a request that names no model gets its API key's default, else its tenant's, else the
    configured ``default_model``;
 3. override: the override header (``X-Harness-Model``) replaces the name, for keys allowed to use it
@@ -18,8 +20,10 @@ Names that stand for agent profiles (``agent:<profile>``) leave the pipeline aft
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import random
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -66,6 +70,10 @@ class Target(Generic[B]):
     canary: bool = False
 
 
+def is_pattern(alias: str) -> bool:
+    return any(c in alias for c in "*?[")
+
+
 def bucket(key: str) -> float:
     """A number in [0, 1) fixed by ``key``: the same session always falls on the same side of a share."""
     digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
@@ -82,11 +90,20 @@ class Router(Generic[B]):
         self.bases = bases
         self._snapshot = snapshot  # the registry changes under a running router
         self._lease = lease
+        self._patterns = [(re.compile(fnmatch.translate(alias)), target) for alias, target in settings.aliases.items()
+                          if is_pattern(alias)]
         # Keyed by what the model stands for, so a canary on an alias splits whatever reaches its target.
         self._canaries = {self._alias(c.model): c for c in settings.canaries}
 
     def _alias(self, name: str) -> str:
-        return self.settings.aliases.get(name, name)
+        exact = self.settings.aliases.get(name)
+        if exact is not None:
+            return exact
+        return next((target for pattern, target in self._patterns if pattern.match(name)), name)
+
+    def backend_for(self, name: str) -> B:
+        """The backend a model name (after ``name_for``) is served by, canaries aside."""
+        return self._lookup(name).backend
 
     def name_for(self, requested: str | None, caller: Caller, header: str | None = None) -> str:
         """Steps 1-3: the model name this request stands for (may be an agent profile)."""

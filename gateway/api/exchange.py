@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import structlog
 from starlette.requests import ClientDisconnect, Request
@@ -21,6 +21,7 @@ from gateway.auth import Principal
 from gateway.backends.base import Backend, BackendError, ChatRequest, ChatResult, ChunkStream
 from gateway.errors import APIError, store_unavailable
 from gateway.protocol.chat import ChatCompletionRequest, ChunkAccumulator, carries_output
+from gateway.protocol.sse import encode_named_events
 from gateway.routing import Target
 from gateway.streaming import unless_disconnected
 from replay import hashing
@@ -74,6 +75,12 @@ class Exchange:
     ref: TrajectoryRef
     prefix: list[str]
     started: float
+    # What the surface adds to each call's recorded parameters (the API it came through, a side request's purpose,
+    # what a chat backend could not take).
+    labels: dict[str, Any] = field(default_factory=dict)
+    # The Anthropic API's max_tokens is a ceiling clients set to the largest a model allows: lowered to what the
+    # backend can give rather than refused.
+    max_tokens_ceiling: bool = False
 
     @property
     def backend(self) -> Backend:
@@ -81,7 +88,7 @@ class Exchange:
 
     def chat_request(self, body: dict[str, Any] | None = None) -> ChatRequest:
         return ChatRequest(body=self.body if body is None else body, model=self.target.base,
-                           tenant=self.principal.tenant)
+                           tenant=self.principal.tenant, max_tokens_ceiling=self.max_tokens_ceiling)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -105,7 +112,7 @@ class Exchange:
             adapter=self.target.adapter.backend_name if self.target.adapter else None,
             backend=self.backend.name,
             tools=self.body.get("tools"),
-            params={k: self.body[k] for k in _PARAM_KEYS if k in self.body},
+            params={**{k: self.body[k] for k in _PARAM_KEYS if k in self.body}, **self.labels},
             response=response,
             error=error,
             stream=self.parsed.stream,
@@ -121,13 +128,16 @@ class Exchange:
 
 
 async def open_exchange(request: Request, principal: Principal, body: dict[str, Any], parsed: ChatCompletionRequest,
-                        *, session_body: dict[str, Any] | None = None) -> Exchange:
+                        *, session_body: dict[str, Any] | None = None, session: str | None = None,
+                        side: bool = False) -> Exchange:
     """Route the request and decide its trajectory (before the backend runs, so the id can go out in the
-    headers). ``session_body`` is where session ids are read from when it is not the chat body itself."""
+    headers). ``session_body`` is where session ids are read from when it is not the chat body itself;
+    ``session`` is a key the surface found itself (the session header still comes first). A ``side`` request
+    (a client's own title or summary request) gets a trajectory of its own, never stitched into its session's."""
     gateway = request.app.state.gateway
     messages = body["messages"]
     prefix = hashing.prefix_hashes(messages)
-    session = session_key(request, session_body if session_body is not None else body)
+    session = session_key(request, session_body if session_body is not None else body) or session
     anchor = prefix[hashing.anchor_index(messages)]
     # A canary draw keyed by the session, else by the conversation's opening, keeps a trajectory on one version.
     target = gateway.router.route(parsed.model, sticky=session or anchor)
@@ -136,7 +146,10 @@ async def open_exchange(request: Request, principal: Principal, body: dict[str, 
                       backend=target.backend.name, stream=parsed.stream)
     if target.canary:
         log_fields["canary"] = target.model
-    if principal.capture:
+    if side:
+        # Its own session key: the session's newest trajectory must stay the session's own.
+        ref = TrajectoryRef(id=new_id(), seq=0, is_new=True, session_key=f"{session}:side" if session else None)
+    elif principal.capture:
         ref = await gateway.store.stitch(session_key=session, prefix=prefix, anchor=anchor, tenant=principal.tenant)
     else:
         ref = TrajectoryRef(id=new_id(), seq=0, is_new=True)
@@ -166,14 +179,14 @@ async def complete(request: Request, exchange: Exchange,
         result = await unless_disconnected(request.receive, answer())
     except BackendError as exc:
         records.append(exchange.record(status="error", error=exc.message))
-        await _save(request, exchange, records)
+        await save(request, exchange, records)
         raise as_api_error(exc, exchange) from None
     except ClientDisconnect:
-        _record_disconnect(request, exchange, [*records, exchange.record(
+        record_disconnect(request, exchange, [*records, exchange.record(
             status="client_disconnected", error="the client closed the connection before the answer")])
         raise
-    await _save(request, exchange, records, statements_for(result) if statements_for else [])
-    _account(request, exchange, result.response.get("usage"))
+    await save(request, exchange, records, statements_for(result) if statements_for else [])
+    account(request, exchange, result.response.get("usage"))
     return result
 
 
@@ -182,12 +195,13 @@ async def open_stream(request: Request, exchange: Exchange) -> ChunkStream:
     try:
         return await exchange.backend.stream(exchange.chat_request())
     except BackendError as exc:
-        await _save(request, exchange, [exchange.record(status="error", error=exc.message)])
+        await save(request, exchange, [exchange.record(status="error", error=exc.message)])
         raise as_api_error(exc, exchange) from None
 
 
-async def _save(request: Request, exchange: Exchange, records: list[CallRecord],
-                statements: Statements | None = None) -> None:
+async def save(request: Request, exchange: Exchange, records: list[CallRecord],
+               statements: Statements | None = None) -> None:
+    """Commit an exchange's calls (and statements with them); a 502 or 503 when they cannot be recorded."""
     if exchange.principal.capture and (records or statements):
         try:
             await request.app.state.gateway.store.write(WriteOp(records=records, statements=statements or []))
@@ -199,7 +213,7 @@ async def _save(request: Request, exchange: Exchange, records: list[CallRecord],
             raise store_unavailable(exchange.headers) from None
 
 
-def _record_disconnect(request: Request, exchange: Exchange, records: list[CallRecord]) -> None:
+def record_disconnect(request: Request, exchange: Exchange, records: list[CallRecord]) -> None:
     """Keep what a client that went away was sent (or nothing, but that it asked), in the background: nobody
     waits for this commit."""
     request.scope["state"]["log"]["status_detail"] = "client_disconnected"
@@ -230,7 +244,7 @@ async def _guard(request: Request, exchange: Exchange, result: ChatResult, recor
     return result
 
 
-def _account(request: Request, exchange: Exchange, usage: dict[str, Any] | None) -> None:
+def account(request: Request, exchange: Exchange, usage: dict[str, Any] | None) -> None:
     if not usage:
         return
     metrics = request.app.state.gateway.metrics
@@ -263,6 +277,14 @@ def _tool_call_chunk(template: dict[str, Any], calls: list[dict[str, Any]]) -> d
               for i, c in enumerate(calls)]
     return {**{k: template[k] for k in ("id", "object", "created", "model") if k in template},
             "choices": [{"index": 0, "delta": {"tool_calls": deltas}, "finish_reason": None}]}
+
+
+class EventTranslator(Protocol):
+    """A pure translation of chat chunks into another API's stream events (Responses, Anthropic Messages)."""
+
+    def start(self) -> list[dict[str, Any]]: ...
+
+    def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]: ...
 
 
 class Relay:
@@ -340,18 +362,30 @@ class Relay:
             self.records = records
         self.finished = True
 
+    async def translated(self, events: EventTranslator) -> AsyncIterator[bytes]:
+        """A translated stream's live part: the opening events, then each chunk's events as it comes; the relay is
+        closed however it ends. The caller then feeds ``held`` to ``events``, commits, and sends the rest."""
+        try:
+            yield encode_named_events(events.start())
+            async for chunk in self.chunks():
+                out = events.feed(chunk)
+                if out:
+                    yield encode_named_events(out)
+        finally:
+            await self.close()
+
     async def close(self) -> None:
         """When the client went away mid-stream: stop the upstream and keep what was streamed."""
         if self.finished:
             return
         await self.stream.aclose()
-        _record_disconnect(self.request, self.exchange, [self.exchange.record(
+        record_disconnect(self.request, self.exchange, [self.exchange.record(
             status="client_disconnected", response=self.acc.completion() if self.acc.chunks else None,
             error="the client closed the connection mid-stream", result_extras=self.stream.extras,
             ttft_ms=self._ttft_ms)])
 
     async def commit(self, statements: Statements | None = None) -> None:
-        _account(self.request, self.exchange, self.acc.usage)
+        account(self.request, self.exchange, self.acc.usage)
         if self.status == "error":
             self.request.app.state.gateway.metrics.errors.labels("backend_error").inc()
-        await _save(self.request, self.exchange, self.records, statements)
+        await save(self.request, self.exchange, self.records, statements)

@@ -10,6 +10,7 @@ from starlette.responses import Response
 
 from gateway.api.common import json_response
 from gateway.errors import model_not_found
+from gateway.routing import is_pattern
 
 _CREATED = 1_700_000_000
 
@@ -32,7 +33,8 @@ def _cards(gateway: Any) -> list[dict[str, Any]]:
             cards.append(_card(f"{version.base_model}:{name}", backend.name, version.base_model, version.created_at))
         cards.append(_card(f"{version.base_model}:{name}@{number}", backend.name, version.base_model,
                            version.created_at))
-    cards += [_card(alias, "alias") for alias in sorted(gateway.settings.routing.aliases)]
+    # A pattern alias (claude-*) names no one model a client could pick.
+    cards += [_card(alias, "alias") for alias in sorted(gateway.settings.routing.aliases) if not is_pattern(alias)]
     cards += [_card(f"agent:{name}", "agent") for name in sorted(gateway.agents.profiles)]
     return cards
 

@@ -42,6 +42,21 @@ _ADAPTER = {"type": "object", "required": ["name", "base", "path"], "properties"
 _VERSION = {"type": "object", "properties": {"version": {"type": "integer", "minimum": 1}}}
 _DECISION = {"type": "object", "additionalProperties": False, "properties": {
     "reason": {"type": "string", "maxLength": 2000}, "by": {"type": "string", "maxLength": 2000}}}
+# The Messages API's body as this gateway checks it; other fields and block types pass (to an Anthropic upstream).
+_MESSAGE_BLOCKS = {"anyOf": [_STRING, {"type": "array", "items": {"type": "object", "required": ["type"],
+                                                                   "properties": {"type": _STRING}}}]}
+_MESSAGES = {"type": "object", "required": ["model", "messages", "max_tokens"], "properties": {
+    "model": {"type": "string", "minLength": 1}, "max_tokens": {"type": "integer", "minimum": 1},
+    "system": _MESSAGE_BLOCKS, "stream": {"type": "boolean"}, "metadata": _OBJECT,
+    "messages": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role", "content"],
+                                                          "properties": {"role": {"enum": ["user", "assistant",
+                                                                                           "system"]},
+                                                                         "content": _MESSAGE_BLOCKS}}},
+    "tools": {"type": "array", "items": _OBJECT}, "tool_choice": _OBJECT,
+    "stop_sequences": {"type": "array", "items": _STRING},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+    "top_p": {"type": "number", "minimum": 0, "maximum": 1}, "top_k": {"type": "integer", "minimum": 0}}}
+_COUNT = {**_MESSAGES, "required": ["model", "messages"]}
 _BOT_MESSAGE = {"type": "object", "required": ["conversation_id", "user_id", "text"], "additionalProperties": False,
                 "properties": {"conversation_id": _ID, "user_id": _ID, "text": {"type": "string", "minLength": 1},
                                "callback_url": {"type": "string", "format": "uri"}}}
@@ -63,6 +78,8 @@ _OPERATIONS: dict[str, tuple[str, Any, int, list[dict[str, Any]]]] = {
              "ChatCompletionRequest", 200, []),
     "responses": ("Create a response (the Responses API)", "ResponsesRequest", 200, []),
     "response": ("Fetch a stored response", None, 200, []),
+    "messages": ("Create a message (the Anthropic Messages API; errors in Anthropic's shape)", _MESSAGES, 200, []),
+    "messages_count_tokens": ("Count a message's input tokens (the Anthropic Messages API)", _COUNT, 200, []),
     "agent_runs": ("Start a server-side agent run", "AgentRunRequest", 201, []),
     "agent_run": ("Fetch an agent run", None, 200, []),
     "models": ("List the models", None, 200, []),
@@ -93,7 +110,7 @@ _OPERATIONS: dict[str, tuple[str, Any, int, list[dict[str, Any]]]] = {
 }
 _PATH_ENUMS = {("admin_adapter_action", "action"): ["publish", "promote", "rollback", "retire"],
                ("admin_approval_decide", "action"): ["approve", "deny"]}
-_STREAMS = {"chat", "responses"}
+_STREAMS = {"chat", "responses", "messages"}
 _MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, ResponsesRequest, AgentRunRequest)
 
 

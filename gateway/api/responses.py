@@ -32,15 +32,11 @@ from gateway.protocol.responses import (
     responses_to_chat,
     validate_responses_request,
 )
-from gateway.protocol.sse import encode_named_event
+from gateway.protocol.sse import encode_named_events
 from gateway.streaming import EventStreamResponse
 from replay import stored_responses
 from replay.records import Statement, WriteOp, new_id
 from replay.store import TrajectoryStore
-
-
-def _frames(events: list[dict[str, Any]]) -> bytes:
-    return b"".join(encode_named_event(e["type"], e) for e in events)
 
 
 class _Kept:
@@ -123,14 +119,8 @@ async def create_response(request: Request) -> Response:
 
 async def _stream(relay: Relay, events: ResponseStream, kept: _Kept, store: TrajectoryStore) -> AsyncIterator[bytes]:
     """Events as the chunks come; ``response.completed`` (or ``response.failed``) only after the commit."""
-    try:
-        yield _frames(events.start())
-        async for chunk in relay.chunks():
-            out = events.feed(chunk)
-            if out:
-                yield _frames(out)
-    finally:
-        await relay.close()
+    async for frames in relay.translated(events):
+        yield frames
     tail: list[dict[str, Any]] = []
     for chunk in relay.held:
         tail += events.feed(chunk)
@@ -141,10 +131,10 @@ async def _stream(relay: Relay, events: ResponseStream, kept: _Kept, store: Traj
     try:
         await relay.commit(kept.statements(events.response))
     except APIError as exc:  # not recorded: the finishing events are not sent
-        yield _frames(events.error(exc.code or exc.error_type, exc.message))
+        yield encode_named_events(events.error(exc.code or exc.error_type, exc.message))
         return
     await kept.without_capture(store, events.response)
-    yield _frames(tail)
+    yield encode_named_events(tail)
 
 
 async def _agent_response(request: Request, principal: Principal, body: dict[str, Any], chat_body: dict[str, Any],
@@ -182,7 +172,7 @@ async def _agent_response(request: Request, principal: Principal, body: dict[str
     await _keep_alone(gateway.store, kept, events.response)
 
     async def once() -> AsyncIterator[bytes]:
-        yield _frames(out)
+        yield encode_named_events(out)
 
     return EventStreamResponse(once(), headers=headers)
 

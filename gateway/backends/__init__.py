@@ -14,6 +14,10 @@ def build_backend(settings: BackendSettings) -> Backend:
         from gateway.backends.local import LocalBackend
 
         return LocalBackend(settings)
+    if settings.kind == "anthropic":
+        from gateway.backends.anthropic import AnthropicBackend
+
+        return AnthropicBackend(settings)
     from gateway.backends.lora_servers import SGLangBackend, VLLMBackend
     from gateway.backends.openai_compat import OpenAICompatBackend
 

@@ -14,13 +14,16 @@ class ChatRequest:
     ``body`` is an OpenAI chat-completions body (messages, tools, sampling parameters) whose ``model`` is
     already the name the backend knows; ``adapter`` names a LoRA adapter to apply, if any; ``tenant`` is whose
     request it is: a backend that keeps state across requests (the embedded model's prefix cache) keeps each
-    tenant's apart.
+    tenant's apart. With ``max_tokens_ceiling`` the body's ``max_tokens`` is an upper bound, not a demand (the
+    Anthropic API's, which clients set to the largest a model allows): a backend lowers it to what it can give
+    instead of refusing the request.
     """
 
     body: dict[str, Any]
     model: str
     adapter: str | None = None
     tenant: str | None = None
+    max_tokens_ceiling: bool = False
 
 
 @dataclass
@@ -73,7 +76,7 @@ class Backend(Protocol):
 
     async def aclose(self) -> None: ...
 
-    # Optional: ``count_tokens(messages) -> int`` where the backend has a tokenizer (the local one does);
+    # Optional: ``count_tokens(messages, tools=None) -> int`` where the backend has a tokenizer (the local one does);
     # the agent's context budget is counted with it, else approximately.
 
 

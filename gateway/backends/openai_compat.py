@@ -40,6 +40,34 @@ class _Retryable(Exception):
         self.error = error
 
 
+def transport_failure(backend: str, exc: httpx.TransportError) -> tuple[BackendError, bool]:
+    """What a failed exchange with an upstream becomes, and whether to try again. A timeout once connected is not
+    retried: the upstream may still be working on it, and the client's wait must stay bounded."""
+    if isinstance(exc, httpx.ConnectTimeout):
+        return BackendUnavailable(f"backend {backend!r} did not accept a connection in time"), True
+    if isinstance(exc, httpx.TimeoutException):
+        return BackendTimeout(f"backend {backend!r} did not answer in time ({type(exc).__name__})"), False
+    return BackendUnavailable(f"backend {backend!r} is unreachable: {exc or type(exc).__name__}"), True
+
+
+def upstream_client(settings: BackendSettings, headers: dict[str, str] | None = None) -> httpx.AsyncClient:
+    """A pooled client for one upstream, with the backend's timeouts and connection limit."""
+    s = settings
+    return httpx.AsyncClient(
+        base_url=str(s.base_url).rstrip("/"),
+        headers=headers or {},
+        timeout=httpx.Timeout(s.read_timeout, connect=s.connect_timeout, pool=s.connect_timeout),
+        limits=httpx.Limits(max_connections=s.max_connections, max_keepalive_connections=s.max_connections),
+    )
+
+
+def stream_failure(backend: str, exc: httpx.TransportError) -> BackendError:
+    """What a stream that failed once under way becomes (never retried: part of it may have reached the client)."""
+    if isinstance(exc, httpx.TimeoutException):
+        return BackendTimeout(f"backend {backend!r} stalled mid-stream")
+    return BackendUnavailable(f"backend {backend!r} dropped the stream: {exc}")
+
+
 def _bounded(answer: dict[str, Any], backend: str) -> None:
     """An answer nested deeper than a request may be could be neither recorded nor sent on."""
     if too_deep(answer) is not None:
@@ -85,13 +113,7 @@ class OpenAICompatBackend:
 
     async def start(self) -> None:
         s = self.settings
-        headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
-        self._client = httpx.AsyncClient(
-            base_url=str(s.base_url).rstrip("/"),
-            headers=headers,
-            timeout=httpx.Timeout(s.read_timeout, connect=s.connect_timeout, pool=s.connect_timeout),
-            limits=httpx.Limits(max_connections=s.max_connections, max_keepalive_connections=s.max_connections),
-        )
+        self._client = upstream_client(s, {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {})
 
     async def aclose(self) -> None:
         if self._client is not None:
@@ -107,6 +129,9 @@ class OpenAICompatBackend:
                                param="constrain_tool_calls", code="unsupported_parameter")
         body = {**request.body, "model": self.upstream_model(request), "stream": stream}
         body.pop("constrain_tool_calls", None)
+        ceiling = self.settings.max_output_tokens
+        if request.max_tokens_ceiling and ceiling and int(body.get("max_tokens") or 0) > ceiling:
+            body["max_tokens"] = ceiling
         if stream:
             # Usage is always asked for so it can be recorded; the gateway hides it from clients that did not ask.
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
@@ -140,22 +165,17 @@ class OpenAICompatBackend:
             # Always streamed from the socket, so no body is read beyond its cap.
             response = await self._client.send(request, stream=True)
             if response.status_code >= 400:
-                body = await _read(response, ERROR_BODY_BYTES, self.name, truncate=True)
+                body = await read_body(response, ERROR_BODY_BYTES, self.name, truncate=True)
                 error = _upstream_error(response, body)
                 if response.status_code in RETRY_STATUSES:
                     raise _Retryable(error)
                 raise error
             if stream:
                 return response, b""
-            return response, await _read(response, self.settings.max_response_bytes, self.name)
-        except httpx.ConnectTimeout:
-            raise _Retryable(BackendUnavailable(f"backend {self.name!r} did not accept a connection in time")) from None
-        except httpx.TimeoutException as exc:
-            # Not retried: the upstream may still be working on it, and the client's wait must stay bounded.
-            raise BackendTimeout(f"backend {self.name!r} did not answer in time ({type(exc).__name__})") from None
+            return response, await read_body(response, self.settings.max_response_bytes, self.name)
         except httpx.TransportError as exc:
-            raise _Retryable(BackendUnavailable(
-                f"backend {self.name!r} is unreachable: {exc or type(exc).__name__}")) from None
+            error, retry = transport_failure(self.name, exc)
+            raise (_Retryable(error) if retry else error) from None
 
     async def chat(self, request: ChatRequest) -> ChatResult:
         _, content = await self._send(self._body(request, stream=False), stream=False)
@@ -173,7 +193,7 @@ class OpenAICompatBackend:
         return UpstreamStream(response, self.name, self.settings.max_response_bytes)
 
 
-async def _read(response: httpx.Response, limit: int, backend: str, *, truncate: bool = False) -> bytes:
+async def read_body(response: httpx.Response, limit: int, backend: str, *, truncate: bool = False) -> bytes:
     """At most ``limit`` bytes of the body, then the response is closed; past it, ``BadGateway`` (or, with
     ``truncate``, the first ``limit`` bytes: enough of an error body to quote)."""
     chunks: list[bytes] = []
@@ -231,10 +251,8 @@ class UpstreamStream:
                 yield chunk
         except SSEError as exc:
             raise BadGateway(f"backend {self._backend!r} sent no usable event stream: {exc}") from None
-        except httpx.TimeoutException:
-            raise BackendTimeout(f"backend {self._backend!r} stalled mid-stream") from None
         except httpx.TransportError as exc:
-            raise BackendUnavailable(f"backend {self._backend!r} dropped the stream: {exc}") from None
+            raise stream_failure(self._backend, exc) from None
         finally:
             await self._response.aclose()
 

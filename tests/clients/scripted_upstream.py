@@ -29,7 +29,7 @@ FINAL_TEXT = "done"
 
 # Command tools in the order they are preferred, as the clients name them.
 COMMAND_TOOLS = ("exec_command", "run_commands", "shell", "local_shell", "execute_command", "run_command",
-                 "bash", "run_shell_command")
+                 "bash", "Bash", "run_shell_command")
 
 
 class ScriptError(Exception):

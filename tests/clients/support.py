@@ -343,7 +343,7 @@ class Stack:
 class stack:  # noqa: N801 - used as a context manager, like open()
     """Start the scripted model, a real gateway process in front of it, and the deny-all proxy."""
 
-    def __init__(self, upstream: Any, workdir: Path) -> None:
+    def __init__(self, upstream: Any, workdir: Path, extra_config: str = "") -> None:
         from tests.processes import GatewayProcess, upstream_config
         from tests.standin import ServerThread
 
@@ -353,6 +353,7 @@ class stack:  # noqa: N801 - used as a context manager, like open()
         self._workdir = workdir
         self._gateway_cls = GatewayProcess
         self._config = upstream_config
+        self._extra = extra_config
         self._gateway: Any = None
 
     def __enter__(self) -> Stack:
@@ -360,7 +361,7 @@ class stack:  # noqa: N801 - used as a context manager, like open()
         self._proxy.__enter__()
         try:
             self._workdir.mkdir(parents=True, exist_ok=True)
-            self._gateway = self._gateway_cls(self._config(self._server.url), self._workdir).start()
+            self._gateway = self._gateway_cls(self._config(self._server.url, extra=self._extra), self._workdir).start()
         except BaseException:
             self._proxy.__exit__(None, None, None)
             self._server.__exit__(None, None, None)

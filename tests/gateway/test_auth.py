@@ -4,6 +4,7 @@ import sqlite3
 import time
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -196,3 +197,24 @@ def test_metrics_can_require_a_key(standin, tmp_path: Path, mode: str) -> None:
         assert scrape(secret) == (200 if mode == "key" else 401)
     finally:
         gw.stop()
+
+
+def test_the_messages_api_takes_keys_from_x_api_key_or_bearer(keyed) -> None:
+    gw, keys = keyed
+    ask = {"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(gw.url + "/v1/messages", json=ask)
+    assert r.status_code == 401
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=gw.url, api_key="sk-harness-wrong", max_retries=0).messages.create(**ask)
+    secret = keys["acme"][1]
+    reply = anthropic.Anthropic(base_url=gw.url, api_key=secret, max_retries=0).messages.with_raw_response.create(**ask)
+    assert reply.parse().content[0].type == "text"
+    bearer = anthropic.Anthropic(base_url=gw.url, auth_token=secret, max_retries=0).messages.create(**ask)
+    assert bearer.role == "assistant"
+    db = sqlite3.connect(gw.db)
+    try:
+        tid = reply.headers["x-harness-trajectory-id"]
+        assert db.execute("SELECT tenant FROM trajectories WHERE id = ?", (tid,)).fetchall() == [("acme",)]
+    finally:
+        db.close()

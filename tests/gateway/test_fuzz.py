@@ -124,13 +124,18 @@ def send(case: Any, fuzzed: Fuzzed) -> httpx.Response:
 
 @schemathesis.check
 def error_in_envelope(ctx: Any, response: Any, case: Any) -> bool | None:
-    """Every 4xx and 5xx is OpenAI's envelope: ``{"error": {"message", "type", "param", "code"}}``."""
+    """Every 4xx and 5xx is OpenAI's envelope: ``{"error": {"message", "type", "param", "code"}}``; on the Messages
+    API, Anthropic's: ``{"type": "error", "error": {"type", "message"}}``."""
     if response.status_code < 400:
         return None
     body = orjson.loads(response.content)
     error = body.get("error") if isinstance(body, dict) else None
-    assert isinstance(error, dict) and {"message", "type", "param", "code"} <= set(error), \
+    anthropic = case.path.startswith("/v1/messages")
+    fields = {"message", "type"} if anthropic else {"message", "type", "param", "code"}
+    assert isinstance(error, dict) and fields <= set(error), \
         f"{response.status_code} without the error envelope: {response.content[:300]!r}"
+    if anthropic:
+        assert body.get("type") == "error", body
     assert isinstance(error["message"], str) and error["message"]
     return True
 

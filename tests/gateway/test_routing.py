@@ -67,6 +67,19 @@ def test_an_alias_stands_for_its_target() -> None:
     assert name == "qwen:sql" and r.target_for(name).adapter.version == 2
 
 
+def test_pattern_aliases_map_a_clients_changing_names_exact_aliases_first() -> None:
+    r = router(aliases={"claude-*haiku*": "llama", "claude-*": "qwen:sql", "claude-special": "qwen"})
+    caller = Caller()
+    assert r.name_for("claude-haiku-4-5", caller) == "llama"
+    assert r.name_for("claude-opus-5-5", caller) == "qwen:sql"
+    assert r.name_for("claude-special", caller) == "qwen"  # exact beats a pattern listed before it
+    assert r.name_for("gpt-4o", caller) == "gpt-4o"  # no pattern matches: the name as given
+    assert r.backend_for(r.name_for("claude-opus-5-5", caller)) == "b1"
+    # Patterns match the whole name, case-sensitively, like a shell's.
+    assert r.name_for("my-claude-model", caller) == "my-claude-model"
+    assert r.name_for("CLAUDE-OPUS", caller) == "CLAUDE-OPUS"
+
+
 def test_defaults_apply_only_when_the_request_names_no_model_key_then_tenant_then_config() -> None:
     r = router(default_model="qwen", tenant_defaults={"acme": "llama"}, aliases={"support": "qwen:sql"})
     assert r.name_for(None, Caller(tenant="acme", default_model="support")) == "qwen:sql"

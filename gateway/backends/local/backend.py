@@ -50,7 +50,7 @@ from gateway.backends.local.replies import (
 )
 from gateway.backends.local.request import check_parameters, tools_for
 from gateway.backends.local.sampling import SamplingParams, invalid_request
-from gateway.config import BackendSettings
+from gateway.config import LOCAL_MAX_OUTPUT_TOKENS, BackendSettings
 from gateway.prompting import encode_prompt
 
 log = structlog.get_logger()
@@ -82,9 +82,11 @@ class LocalBackend:
             raise BackendUnavailable("the local model is not loaded", code="not_started")
         return self._loaded
 
-    def count_tokens(self, messages: list[dict[str, Any]]) -> int:
-        """Tokens of ``messages`` as this model is prompted with them (the agent's context budget)."""
-        return len(encode_prompt(self.loaded.tokenizer, messages))
+    def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
+        """Tokens of ``messages`` (and the chat ``tools`` offered with them) as this model is prompted with them:
+        the agent's context budget, and the Messages API's token count."""
+        rendering = self._settings.tool_rendering
+        return len(encode_prompt(self.loaded.tokenizer, messages, tools or None, rendering=rendering))
 
     @property
     def forward_passes(self) -> int:
@@ -272,7 +274,11 @@ class LocalBackend:
         if len(prompt_ids) >= limit:
             raise invalid_request(f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit} tokens",
                                   "messages", "context_length_exceeded")
-        _check_room(body, params.max_tokens, len(prompt_ids), limit)
+        if request.max_tokens_ceiling:
+            ceiling = self._settings.max_output_tokens or LOCAL_MAX_OUTPUT_TOKENS
+            params = replace(params, max_tokens=min(params.max_tokens, ceiling, limit - len(prompt_ids)))
+        else:
+            _check_room(body, params.max_tokens, len(prompt_ids), limit)
         params = replace(params, grammar=grammar, tool_stop=("last" if parallel else "first") if tools else None)
         return Prepared(prompt_ids, params, bool(tools), request.adapter,
                          engine.grammar_tokenizer if params.logprobs else None)

@@ -1,6 +1,7 @@
 """A real gateway app on a loopback port whose model is a scripted stand-in (tests/scripted.py): what the API tests
 and bench/agent_loop.py serve."""
 
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,3 +41,12 @@ def serve(tmp_path: Path, script: list) -> Iterator[Served]:
     with ServerThread(app, lifespan="on") as server:
         yield Served(server.url, backend, app)
 
+
+
+def store_rows(db: Path, sql: str, args: tuple = ()) -> list[tuple]:
+    """A query's rows from a gateway's SQLite store."""
+    conn = sqlite3.connect(db)
+    try:
+        return conn.execute(sql, args).fetchall()
+    finally:
+        conn.close()
