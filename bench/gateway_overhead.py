@@ -52,9 +52,11 @@ import shutil
 import signal
 import socket
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -84,11 +86,17 @@ UPSTREAM_BODY = {
                  "finish_reason": "stop"}],
     "usage": {"prompt_tokens": 9, "completion_tokens": 9, "total_tokens": 18},
 }
-TARGETS = ("direct", "capture_on", "capture_off", "capture_on_pg", "capture_on_pg_w2", "litellm")
+STREAM_REQUEST_BODY = {**REQUEST_BODY, "stream": True}
+# Streamed targets run against bench/stream_upstream.py (50 chunks, a small gap before each), at the high
+# concurrency only.
+STREAM_TARGETS = ("stream_direct", "stream_capture_on", "stream_litellm")
+TARGETS = ("direct", "capture_on", "capture_off", "capture_on_pg", "capture_on_pg_w2", "litellm", *STREAM_TARGETS)
 PG_WORKERS = 2
 LABELS = {"direct": "direct (nginx)", "capture_on": "gateway capture on",
           "capture_off": "gateway capture off", "capture_on_pg": "gateway capture on, PG",
-          "capture_on_pg_w2": f"gateway capture on, PG, {PG_WORKERS} workers", "litellm": "LiteLLM proxy"}
+          "capture_on_pg_w2": f"gateway capture on, PG, {PG_WORKERS} workers", "litellm": "LiteLLM proxy",
+          "stream_direct": "streamed, direct (upstream)", "stream_capture_on": "streamed, gateway capture on",
+          "stream_litellm": "streamed, LiteLLM proxy"}
 
 
 @dataclass(frozen=True)
@@ -110,10 +118,11 @@ LABEL_WIDTH = max(len(label) for label in LABELS.values())
 PG_TARGETS = tuple(name for name, mode in GATEWAY_MODES.items() if mode.store == "postgresql")
 CAPTURE_TARGETS = tuple(name for name, mode in GATEWAY_MODES.items() if mode.capture)
 
-# Targets printed next to the measurements.
-MAX_ADDED_P50_MS_C1 = 1.0
-MIN_THROUGHPUT_X_LITELLM = 10.0
-MAX_CAPTURE_COST = 0.10
+# Targets printed next to the measurements: (required, aim); None where there is no required figure.
+CPU_MS_PER_REQUEST = (1.5, 1.0)  # capture on, at the high concurrency
+THROUGHPUT_X_LITELLM = (10.0, 15.0)  # capture on, at the high concurrency
+MAX_CAPTURE_COST = (None, 0.10)  # at the high concurrency
+MAX_ADDED_P50_MS_C1 = {"capture_off": (None, 0.5), "capture_on": (None, 0.8)}
 MIN_PG_W2_X_SQLITE = 1.6  # two workers on PostgreSQL against one process on SQLite, at the high concurrency
 
 # Wide enough for the tables when the output goes to a file or a pipe.
@@ -363,8 +372,8 @@ def ensure_litellm(venv: Path, install: bool) -> None:
     subprocess.run([str(venv / "bin" / "pip"), "install", "-q", LITELLM_REQUIREMENT], check=True)
 
 
-def litellm_config(tmp: Path, upstream_port: int) -> Path:
-    d = tmp / "litellm"
+def litellm_config(tmp: Path, upstream_port: int, name: str = "litellm") -> Path:
+    d = tmp / name
     d.mkdir()
     path = d / "config.yaml"
     path.write_text(f"""model_list:
@@ -427,8 +436,8 @@ end
 """
 
 
-def wrk_script(tmp: Path, name: str, headers: dict[str, str]) -> Path:
-    lines = ['wrk.method = "POST"', f"wrk.body = {json.dumps(json.dumps(REQUEST_BODY))}",
+def wrk_script(tmp: Path, name: str, headers: dict[str, str], body: dict[str, Any] = REQUEST_BODY) -> Path:
+    lines = ['wrk.method = "POST"', f"wrk.body = {json.dumps(json.dumps(body))}",
              'wrk.headers["Content-Type"] = "application/json"']
     lines += [f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}" for k, v in headers.items()]
     path = tmp / f"{name}.lua"
@@ -535,6 +544,7 @@ class Target:
     measured_requests: int = 0
     db_pid: int | None = None
     workers: int = 1
+    probe_headers: dict[str, str] | None = None  # set: streamed; time to first byte is probed during the load
 
     @property
     def base_url(self) -> str:
@@ -573,6 +583,66 @@ def store_window(before: dict[str, Any], after: dict[str, Any], secs: float) -> 
     return out
 
 
+def first_byte_ms(url: str, headers: dict[str, str]) -> float | None:
+    """One streamed request on a new connection: milliseconds to the first event's bytes, read to its end."""
+    host, _, rest = url.removeprefix("http://").partition("/")
+    hostname, _, port = host.partition(":")
+    body = json.dumps(STREAM_REQUEST_BODY).encode()
+    head = "".join(f"{k}: {v}\r\n" for k, v in {"Host": host, "Content-Type": "application/json",
+                                                   "Content-Length": str(len(body)), **headers}.items())
+    with socket.create_connection((hostname, int(port)), timeout=30) as sock:
+        started = time.perf_counter()
+        sock.sendall(f"POST /{rest} HTTP/1.1\r\n{head}\r\n".encode() + body)
+        seen, first = b"", None
+        while not seen.endswith(b"0\r\n\r\n"):
+            data = sock.recv(65536)
+            if not data:
+                break
+            seen += data
+            if first is None and b"data:" in seen:
+                first = (time.perf_counter() - started) * 1000
+        return first
+
+
+class FirstBytes:
+    """Streamed requests one after another beside the load, each timed to its first event."""
+
+    def __init__(self, url: str, headers: dict[str, str]) -> None:
+        self.url, self.headers = url, headers
+        self.samples: list[float] = []
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                ms = first_byte_ms(self.url, self.headers)
+            except OSError:
+                ms = None
+            if ms is None:
+                self.failures += 1
+            else:
+                self.samples.append(ms)
+            self._stop.wait(0.05)
+
+    def __enter__(self) -> FirstBytes:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=40)
+
+    def figures(self) -> dict[str, Any]:
+        ordered = sorted(self.samples)
+        if not ordered:
+            return {"ttfb_samples": 0, "ttfb_failures": self.failures}
+        return {"ttfb_samples": len(ordered), "ttfb_failures": self.failures,
+                "ttfb_p50_ms": round(statistics.median(ordered), 3),
+                "ttfb_p99_ms": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 3)}
+
+
 def measure(name: str, session: Any, loads: list[Load], args: argparse.Namespace) -> dict[str, Any]:
     """Warm up, then measure each load; a measurement the machine's other work disturbed is retried.
 
@@ -590,8 +660,12 @@ def measure(name: str, session: Any, loads: list[Load], args: argparse.Namespace
                     target.measured_requests += run_wrk(target.url, target.script, load, args.warmup,
                                                         args.wrk_timeout)["requests"]
                 before = store_snapshot(target) if target.db else None
-                r = run_wrk(target.url, target.script, load, args.duration, args.wrk_timeout, target.server,
-                            target.db_pid)
+                probe = FirstBytes(target.url, target.probe_headers) if target.probe_headers is not None else None
+                with probe or contextlib.nullcontext():
+                    r = run_wrk(target.url, target.script, load, args.duration, args.wrk_timeout, target.server,
+                                target.db_pid)
+                if probe is not None:
+                    r.update(probe.figures())
                 target.measured_requests += r["requests"]
                 r.update(attempt=attempt + 1, waited_for_quiet_s=waited, workers=target.workers)
                 if before is not None:
@@ -633,7 +707,7 @@ def fixed_session(target: Target) -> Any:
 
 
 def gateway_session(services: Services, tmp: Path, mode: str, upstream_port: int, prefill: int,
-                    checks: dict[str, Any], pg: Any = None) -> Any:
+                    checks: dict[str, Any], pg: Any = None, *, stream: bool = False) -> Any:
     """A fresh gateway on a fresh database per measurement, checked to capture (or not) as its mode says.
 
     PostgreSQL modes take a new database of the bench's cluster (``pg``) each time and drop it afterwards. A mode
@@ -646,7 +720,7 @@ def gateway_session(services: Services, tmp: Path, mode: str, upstream_port: int
     def session() -> Iterator[Target]:
         nonlocal runs
         runs += 1
-        name = f"{mode}-{runs}"
+        name = f"{'stream_' if stream else ''}{mode}-{runs}"
         port = free_port()
         url_db = pg.database() if spec.store == "postgresql" else None
         config = gateway_toml(tmp, name, port, upstream_port, store_url=url_db, workers=spec.workers)
@@ -674,8 +748,10 @@ def gateway_session(services: Services, tmp: Path, mode: str, upstream_port: int
                     status = http("POST", url, REQUEST_BODY)[0]
                     if status != 401:
                         raise BenchError(f"{name}: answered {status} to a request without a key; expected 401")
-                target = Target(url, wrk_script(tmp, name, auth), gw, db, measured_requests=1,
-                                db_pid=pg.postmaster_pid() if url_db else None, workers=spec.workers)
+                script = wrk_script(tmp, name, auth, STREAM_REQUEST_BODY if stream else REQUEST_BODY)
+                target = Target(url, script, gw, db, measured_requests=1,
+                                db_pid=pg.postmaster_pid() if url_db else None, workers=spec.workers,
+                                probe_headers=auth if stream else None)
                 yield target
             recorded = count_rows(db)
             checks.setdefault(mode, []).append({"measured_requests": target.measured_requests,
@@ -772,6 +848,53 @@ class BenchPostgres:
 
     def stop(self) -> None:
         self.server.stop()
+
+
+def start_litellm(services: Services, tmp: Path, name: str, venv: Path, upstream_port: int, *,
+                  stream: bool = False) -> Target:
+    """A LiteLLM proxy (one worker, no database) in front of the upstream, checked to answer, for every round."""
+    port = free_port()
+    master_key = "sk-" + secrets.token_hex(20)
+    config = litellm_config(tmp, upstream_port, name)
+    svc = services.start(name, [str(venv / "bin" / "litellm"), "--config", str(config), "--host", "127.0.0.1",
+                                "--port", str(port), "--num_workers", "1"],
+                         tmp / name / "litellm.log", env=litellm_env(master_key), cwd=tmp / name)
+    wait_ready(svc, f"http://127.0.0.1:{port}/health/liveliness", 180)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    auth = {"Authorization": f"Bearer {master_key}"}
+    check_chat(name, url, auth)
+    return Target(url, wrk_script(tmp, name, auth, STREAM_REQUEST_BODY if stream else REQUEST_BODY), svc,
+                  probe_headers=auth if stream else None)
+
+
+def wait_listening(svc: Service, port: int, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if svc.proc.poll() is not None:
+            raise BenchError(f"{svc.name} exited:\n{svc.log_tail()}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise BenchError(f"{svc.name} does not listen on {port}") from None
+            time.sleep(0.1)
+
+
+def median_of(measured: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per concurrency level, each figure's median over the rounds (figures that are not numbers: the first
+    round's), and every round's figures under ``rounds``."""
+    out: dict[str, Any] = {}
+    for level in measured[0]:
+        runs = [m[level] for m in measured if level in m]
+        merged: dict[str, Any] = {}
+        for key, first in runs[0].items():
+            values = [r.get(key) for r in runs]
+            numbers = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+            merged[key] = statistics.median(numbers) if len(numbers) == len(values) else first
+        merged["rounds"] = [{k: v for k, v in r.items() if k != "wrk_output"} for r in runs]
+        out[level] = merged
+    return out
 
 
 @contextlib.contextmanager
@@ -987,29 +1110,47 @@ def derive(results: dict[str, dict[str, Any]], levels: list[str], high: str) -> 
                     c: {"throughput_x": _ratio(results[name][c]["rps"], sqlite[c]["rps"]),
                         "p99_ratio": _ratio(results[name][c]["p99_ms"], sqlite[c]["p99_ms"])} for c in levels}
 
-    targets = []
-    for name in ("capture_on", "capture_off"):
+    # Streamed: at the high concurrency only, each beside LiteLLM's.
+    d["stream"] = {name: {k: results[name][high].get(k) for k in (
+        "rps", "p50_ms", "p99_ms", "server_cpu_ms_per_request", "ttfb_p50_ms", "ttfb_p99_ms", "ttfb_samples")}
+        for name in STREAM_TARGETS if name in results}
+    if "stream_capture_on" in results and "stream_litellm" in results:
+        d["stream"]["vs_litellm"] = {
+            "throughput_x": _ratio(results["stream_capture_on"][high]["rps"], results["stream_litellm"][high]["rps"]),
+            "cpu_ratio": _ratio(results["stream_capture_on"][high].get("server_cpu_ms_per_request") or 0,
+                                results["stream_litellm"][high].get("server_cpu_ms_per_request") or 0)}
+
+    targets: list[dict[str, Any]] = []
+
+    def check(label: str, value: float | None, unit: str, goals: tuple[float | None, float | None],
+              at_most: bool) -> None:
+        if value is None:
+            return
+        for kind, goal in zip(("required", "aim"), goals, strict=True):
+            if goal is not None:
+                ok = value <= goal if at_most else value >= goal
+                targets.append({"target": label, "kind": kind, "value": value, "unit": unit,
+                                "goal": f"{'<=' if at_most else '>='} {goal:g}{unit}", "pass": ok})
+
+    on = results.get("capture_on")
+    if on is not None:
+        check(f"throughput at c={high[1:]} ÷ at c=1, capture on", _ratio(on[high]["rps"], on["c1"]["rps"]), "x",
+              (1.0, None), at_most=False)
+        check(f"CPU per request at c={high[1:]}, capture on", on[high].get("server_cpu_ms_per_request"), " ms",
+              CPU_MS_PER_REQUEST, at_most=True)
+    check(f"throughput vs LiteLLM at c={high[1:]}, capture on",
+          d["vs_litellm"].get("capture_on", {}).get(high, {}).get("throughput_x"), "x", THROUGHPUT_X_LITELLM,
+          at_most=False)
+    cost = d["capture_cost"].get(high)
+    check(f"capture's throughput cost at c={high[1:]}", None if cost is None else round(100 * cost, 2), "%",
+          (None, 100 * MAX_CAPTURE_COST[1]), at_most=True)
+    for name, goals in MAX_ADDED_P50_MS_C1.items():
         added = d["added_latency_ms"].get(name, {}).get("c1")
-        if added is not None:
-            targets.append({"target": f"p50 added latency at c=1, {LABELS[name]}", "value": added["p50"],
-                            "unit": "ms", "goal": f"< {MAX_ADDED_P50_MS_C1:g} ms",
-                            "pass": added["p50"] < MAX_ADDED_P50_MS_C1})
-    x = d["vs_litellm"].get("capture_on", {}).get(high, {}).get("throughput_x")
-    if x is not None:
-        targets.append({"target": f"throughput vs LiteLLM at c={high[1:]}, capture on", "value": x,
-                        "unit": "x", "goal": f">= {MIN_THROUGHPUT_X_LITELLM:g}x",
-                        "pass": x >= MIN_THROUGHPUT_X_LITELLM})
-    for c in levels:
-        cost = d["capture_cost"].get(c)
-        if cost is not None:
-            targets.append({"target": f"capture's throughput cost at c={c[1:]}",
-                            "value": round(100 * cost, 2), "unit": "%",
-                            "goal": f"< {100 * MAX_CAPTURE_COST:g}%", "pass": cost < MAX_CAPTURE_COST})
+        check(f"p50 added latency at c=1, {LABELS[name]}", None if added is None else added["p50"], " ms", goals,
+              at_most=True)
     x = d["vs_sqlite"].get("capture_on_pg_w2", {}).get(high, {}).get("throughput_x")
-    if x is not None:
-        targets.append({"target": f"throughput at c={high[1:]}, PostgreSQL with {PG_WORKERS} workers ÷ SQLite with "
-                                  "one process (capture on)", "value": x, "unit": "x",
-                        "goal": f">= {MIN_PG_W2_X_SQLITE:g}x", "pass": x >= MIN_PG_W2_X_SQLITE})
+    check(f"throughput at c={high[1:]}, PostgreSQL with {PG_WORKERS} workers ÷ SQLite with one process "
+          "(capture on)", x, "x", (None, MIN_PG_W2_X_SQLITE), at_most=False)
     d["targets"] = targets
     return d
 
@@ -1033,7 +1174,7 @@ def print_report(results: dict[str, dict[str, Any]], derived: dict[str, Any], le
                     ("other CPU", right), ("errors", right)):
         table.add_column(col, **kw)
     for name in TARGETS:
-        if name not in results:
+        if name not in results or name in STREAM_TARGETS:
             continue
         for c in levels:
             r = results[name][c]
@@ -1053,6 +1194,25 @@ def print_report(results: dict[str, dict[str, Any]], derived: dict[str, Any], le
                   "processes, % of one core (nginx for direct; the gateway's every worker, PostgreSQL not "
                   "included); CPU ms/req: that CPU per request; other CPU: everything else on the machine except "
                   "wrk and PostgreSQL (noise).")
+    streamed = [name for name in STREAM_TARGETS if name in results]
+    if streamed:
+        high = levels[-1]
+        t = Table(title=f"Streamed (50 chunks from bench/stream_upstream.py, c={high[1:]})", title_justify="left")
+        for col in ("target", "req/s", "p50 ms", "p99 ms", "TTFB p50 ms", "TTFB p99 ms", "server CPU ms/req",
+                    "errors"):
+            t.add_column(col, justify="left" if col == "target" else "right", no_wrap=col == "target")
+        for name in streamed:
+            r = results[name][high]
+            cpu = r.get("server_cpu_ms_per_request")
+            t.add_row(LABELS[name], f"{r['rps']:,.0f}", f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}",
+                      f"{r['ttfb_p50_ms']:.2f}" if r.get("ttfb_p50_ms") is not None else "",
+                      f"{r['ttfb_p99_ms']:.2f}" if r.get("ttfb_p99_ms") is not None else "",
+                      f"{cpu:.3f}" if cpu is not None else "", str(r["errors"]))
+        console.print(t)
+        vs = derived["stream"].get("vs_litellm")
+        if vs:
+            console.print(f"streamed, gateway ÷ LiteLLM: throughput {vs['throughput_x']}x, CPU per request "
+                          f"{vs['cpu_ratio']}x")
     stored = [name for name in CAPTURE_TARGETS if name in results]
     if stored:
         t = Table(title="The store under capture (a fresh database per measurement)", title_justify="left")
@@ -1093,11 +1253,12 @@ def print_report(results: dict[str, dict[str, Any]], derived: dict[str, Any], le
         t = Table(title="Targets", title_justify="left")
         t.add_column("")
         t.add_column("target")
+        t.add_column("kind")
         t.add_column("measured", justify="right")
         t.add_column("goal", justify="right")
         for row in derived["targets"]:
             mark = "[bold green]PASS[/]" if row["pass"] else "[bold red]FAIL[/]"
-            t.add_row(mark, row["target"], f"{row['value']:g} {row['unit']}", row["goal"])
+            t.add_row(mark, row["target"], row["kind"], f"{row['value']:g}{row['unit']}", row["goal"])
         console.print(t)
     for name, reason in (skipped or {}).items():
         console.print(f"[yellow]skipped {LABELS[name]}:[/] {escape(reason)}")
@@ -1109,6 +1270,8 @@ def print_report(results: dict[str, dict[str, Any]], derived: dict[str, Any], le
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="Interleaved rounds over every target; each figure reported is the rounds' median.")
     p.add_argument("--duration", type=float, default=10.0,
                    help="Seconds measured per target and concurrency.")
     p.add_argument("--warmup", type=float, default=3.0,
@@ -1199,13 +1362,9 @@ def main(argv: list[str] | None = None) -> int:
                     raise
                 time.sleep(0.1)
         if targets:
-            console.print(f"[bold]Gateway overhead[/]: {args.warmup:g} s warm-up + {args.duration:g} s "
-                          "per measurement, "
-                          f"concurrency {' and '.join(c[1:] for c in levels)}; temp dir {tmp}")
-
-        if "direct" in targets:
-            direct = Target(direct_url, wrk_script(tmp, "direct", {}), nginx)
-            results["direct"] = measure("direct", fixed_session(direct), loads, args)
+            console.print(f"[bold]Gateway overhead[/]: {args.rounds} interleaved round(s) of {args.warmup:g} s warm-up "
+                          f"+ {args.duration:g} s per measurement, concurrency {' and '.join(c[1:] for c in levels)}"
+                          f"; temp dir {tmp}")
 
         if any(t in targets for t in PG_TARGETS):
             try:
@@ -1219,30 +1378,46 @@ def main(argv: list[str] | None = None) -> int:
                         skipped[t] = str(exc)
                 console.print(f"[yellow]skipping the PostgreSQL targets:[/] {escape(str(exc))}")
 
+        # Each target's session: a fixed server (direct, LiteLLM: started once, for every round) or a fresh gateway
+        # per measurement. Rounds measure every target in turn, so slow drifts of the machine touch all alike.
+        sessions: dict[str, tuple[Any, list[Load]]] = {}
+        if "direct" in targets:
+            sessions["direct"] = (fixed_session(Target(direct_url, wrk_script(tmp, "direct", {}), nginx)), loads)
         for mode in GATEWAY_MODES:
             if mode in targets and mode not in skipped:
-                session = gateway_session(services, tmp, mode, upstream_port, args.prefill, checks, pg)
-                try:
-                    results[mode] = measure(mode, session, loads, args)
-                except TargetUnavailable as exc:
-                    skipped[mode] = str(exc)
-                    console.print(f"[yellow]skipping {LABELS[mode]}:[/] {escape(str(exc))}")
-
+                sessions[mode] = (gateway_session(services, tmp, mode, upstream_port, args.prefill, checks, pg), loads)
         if "litellm" in targets:
-            port = free_port()
-            master_key = "sk-" + secrets.token_hex(20)
-            config = litellm_config(tmp, upstream_port)
-            svc = services.start("litellm", [str(venv / "bin" / "litellm"), "--config", str(config), "--host",
-                                             "127.0.0.1", "--port", str(port), "--num_workers", "1"],
-                                 tmp / "litellm" / "litellm.log", env=litellm_env(master_key),
-                                 cwd=tmp / "litellm")
-            with serving(services, svc):
-                wait_ready(svc, f"http://127.0.0.1:{port}/health/liveliness", 180)
-                url = f"http://127.0.0.1:{port}/v1/chat/completions"
-                auth = {"Authorization": f"Bearer {master_key}"}
-                check_chat("litellm", url, auth)
-                target = Target(url, wrk_script(tmp, "litellm", auth), svc)
-                results["litellm"] = measure("litellm", fixed_session(target), loads, args)
+            sessions["litellm"] = (fixed_session(start_litellm(services, tmp, "litellm", venv, upstream_port)), loads)
+        if any(t in targets for t in STREAM_TARGETS):
+            stream_port = free_port()
+            streamer = services.start("stream_upstream", [sys.executable, str(REPO / "bench" / "stream_upstream.py"),
+                                                          "--port", str(stream_port)], tmp / "stream_upstream.log")
+            stream_url = f"http://127.0.0.1:{stream_port}/v1/chat/completions"
+            wait_listening(streamer, stream_port)
+            if "stream_direct" in targets:
+                sessions["stream_direct"] = (fixed_session(Target(
+                    stream_url, wrk_script(tmp, "stream_direct", {}, STREAM_REQUEST_BODY), streamer,
+                    probe_headers={})), loads[-1:])
+            if "stream_capture_on" in targets:
+                sessions["stream_capture_on"] = (gateway_session(services, tmp, "capture_on", stream_port, args.prefill,
+                                                                 checks, stream=True), loads[-1:])
+            if "stream_litellm" in targets:
+                sessions["stream_litellm"] = (fixed_session(start_litellm(
+                    services, tmp, "stream_litellm", venv, stream_port, stream=True)), loads[-1:])
+
+        rounds: dict[str, list[dict[str, Any]]] = {}
+        for rnd in range(args.rounds):
+            if args.rounds > 1:
+                console.print(f"[bold]Round {rnd + 1} of {args.rounds}[/]")
+            for name, (session, its_loads) in sessions.items():
+                if name in skipped:
+                    continue
+                try:
+                    rounds.setdefault(name, []).append(measure(name, session, its_loads, args))
+                except TargetUnavailable as exc:
+                    skipped[name] = str(exc)
+                    console.print(f"[yellow]skipping {LABELS[name]}:[/] {escape(str(exc))}")
+        results = {name: median_of(measured) for name, measured in rounds.items() if name not in skipped}
 
         if args.profile:
             profile = profile_gateway(services, tmp, upstream_port, args, loads[-1])
@@ -1269,7 +1444,7 @@ def main(argv: list[str] | None = None) -> int:
             "started_at": dt.datetime.fromtimestamp(started, dt.UTC).isoformat(timespec="seconds"),
             "settings": {"duration_s": args.duration, "warmup_s": args.warmup, "prefill": args.prefill,
                          "loads": [{"concurrency": x.concurrency, "wrk_threads": x.threads} for x in loads],
-                         "request": REQUEST_BODY, "stream": False},
+                         "request": REQUEST_BODY, "stream_request": STREAM_REQUEST_BODY, "rounds": args.rounds},
             "environment": {
                 "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                 "loadavg_at_end": os.getloadavg(),

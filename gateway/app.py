@@ -70,7 +70,7 @@ class Gateway:
         self.tool_context = ToolContext(settings.tools, own=own)
         self.agents = AgentService(profiles=settings.profiles, store=self.store,
                                    registry=default_registry(settings.tools), tool_context=self.tool_context,
-                                   backend_for=self.backend_for,
+                                   backend_for=self.backend_for, on_usage=self.metrics.count_tokens,
                                    spawn=lambda coro: self.spawn(coro, cancel_on_stop=True))
         self.bot = BotService(settings.bot, self.agents, self.store, self.spawn)
         self.bot.add(WebhookPlatform(settings.bot, self.bot, own=own))
@@ -181,9 +181,8 @@ class AccessLog:
         finally:
             elapsed = time.perf_counter() - started
             route = scope.get("route_name") or _route_name(scope)
-            metrics = self.gateway.metrics
-            metrics.requests.labels(route, str(status)).inc()
-            metrics.latency.labels(route).observe(elapsed)
+            self.gateway.metrics.observe_request(route, status, str(fields.get("model") or ""),
+                                                 str(fields.get("backend") or ""), elapsed)
             if route not in ("metrics", "healthz"):
                 log.info("request", method=scope["method"], path=scope["path"], status=status,
                          latency_ms=round(elapsed * 1000, 2), **fields)

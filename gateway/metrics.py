@@ -17,9 +17,12 @@ class Metrics:
         self.registry = CollectorRegistry()
         self._private = CollectorRegistry()  # figures for the operator alone (see watch_prefix_caches)
         r = self.registry
-        self.requests = Counter("harness_requests", "HTTP requests handled.", ["route", "status"], registry=r)
+        # model: the served name a request was routed to, without an adapter's version (versions come and go);
+        # backend: its backend. Both empty for a request never routed, so made-up model names add no series.
+        self.requests = Counter("harness_requests", "HTTP requests handled.", ["route", "status", "model", "backend"],
+                                registry=r)
         self.latency = Histogram("harness_request_latency_seconds", "Time from request to last byte.",
-                                 ["route"], buckets=_LATENCY_BUCKETS, registry=r)
+                                 ["route", "model", "backend"], buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("harness_time_to_first_token_seconds",
                               "Streamed requests: time to the first generated content or tool-call token.",
                               ["model"], buckets=_LATENCY_BUCKETS, registry=r)
@@ -38,6 +41,18 @@ class Metrics:
         who may see every tenant's (``render(private=True)``): they move with each request's cache hits, which
         would tell one tenant how much of another's prompt was cached."""
         self._private.register(_PrefixCaches(list(backends)))
+
+    def count_tokens(self, model: str, prompt: int, completion: int) -> None:
+        """Tokens a model call used: every call, a guard's retries and an agent's steps and summaries alike."""
+        if prompt:
+            self.tokens.labels(model, "prompt").inc(prompt)
+        if completion:
+            self.tokens.labels(model, "completion").inc(completion)
+
+    def observe_request(self, route: str, status: int, model: str, backend: str, seconds: float) -> None:
+        model = model.partition("@")[0] if backend else ""
+        self.requests.labels(route, str(status), model, backend).inc()
+        self.latency.labels(route, model, backend).observe(seconds)
 
     def observe_commit(self, batch: int, seconds: float) -> None:
         self.commit_latency.observe(seconds)

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from gateway.agent.context import approximate_tokens
 from gateway.backends.base import BackendError, CallExtras, ChatRequest, ChatResult
 
 Reply = dict[str, Any] | str | Callable[[dict[str, Any]], dict[str, Any] | str] | BackendError
@@ -45,13 +46,18 @@ class ScriptedBackend:
     request body, or a BackendError to raise. Past the end of the script it answers "done"."""
 
     def __init__(self, script: list[Reply], *, name: str = "scripted", models: list[str] | None = None,
-                 delay: float = 0.0, usage: tuple[int, int] = (10, 5)) -> None:
+                 delay: float = 0.0, usage: tuple[int, int] = (10, 5), counted: bool = False) -> None:
         self.script = list(script)
         self.name = name
         self.models = models or ["scripted-model"]
         self.delay = delay
         self.usage = usage
         self.requests: list[dict[str, Any]] = []
+        if counted:
+            # Like a backend with a tokenizer: it counts prompts as its usage reports them, and its completion
+            # (``usage[1]`` tokens) stops at max_tokens.
+            self.count_tokens = approximate_tokens
+        self.counted = counted
 
     async def start(self) -> None:
         pass
@@ -76,6 +82,11 @@ class ScriptedBackend:
     def _complete(self, request: ChatRequest, message: dict[str, Any]) -> ChatResult:
         finish = "tool_calls" if message.get("tool_calls") else "stop"
         prompt, completion = self.usage
+        if self.counted:
+            prompt = approximate_tokens(request.body["messages"], request.body.get("tools"))
+            limit = request.body.get("max_tokens")
+            if isinstance(limit, int):
+                completion = min(completion, limit)
         return ChatResult(response={
             "id": f"chatcmpl-{len(self.requests)}", "object": "chat.completion", "created": int(time.time()),
             "model": request.model, "choices": [{"index": 0, "message": message, "finish_reason": finish}],

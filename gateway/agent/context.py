@@ -11,7 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-TokenCounter = Callable[[list[dict[str, Any]]], int]
+# (messages, the chat tools offered with them or None) -> tokens: a backend's own ``count_tokens`` has this shape.
+TokenCounter = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], int]
 
 SUMMARY_PREFIX = "[Summary of earlier steps]\n"
 SUMMARY_INSTRUCTIONS = (
@@ -21,9 +22,10 @@ SUMMARY_INSTRUCTIONS = (
 )
 
 
-def approximate_tokens(messages: list[dict[str, Any]]) -> int:
+def approximate_tokens(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
     """Four characters a token: the fallback where no tokenizer is at hand."""
-    return sum(len(json.dumps(m, ensure_ascii=False)) for m in messages) // 4 + 1
+    chars = sum(len(json.dumps(m, ensure_ascii=False)) for m in messages)
+    return (chars + (len(json.dumps(tools, ensure_ascii=False)) if tools else 0)) // 4 + 1
 
 
 @dataclass

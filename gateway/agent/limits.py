@@ -96,6 +96,12 @@ class Limiter:
         if self.past_deadline():
             raise Termination(DEADLINE, f"ran past its deadline of {lim.deadline_seconds:g} s")
 
+    def tokens_left(self) -> int | None:
+        """What this turn may still spend on tokens, or None without a token budget."""
+        if not self.limits.max_total_tokens:
+            return None
+        return self.limits.max_total_tokens - (self.budget.total_tokens - self.budget.turn_first_tokens)
+
     def past_deadline(self) -> bool:
         return bool(self.limits.deadline_seconds) and \
             time.time() - self.budget.started_at >= self.limits.deadline_seconds

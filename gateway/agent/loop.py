@@ -27,10 +27,11 @@ from gateway.agent.limits import Budget, Limiter, Limits, Termination, call_sign
 from gateway.agent.parsing import parse_message
 from gateway.agent.validation import CheckedCall, check_call
 from gateway.backends.base import Backend, BackendError, ChatRequest, ChatResult
+from gateway.budget import BudgetExhausted, cap_completion
 from gateway.config import ProfileSettings
 from replay.approvals import APPROVED, EXPIRED
 from replay.records import new_id
-from replay.vocabulary import BACKEND_ERROR, CLIENT_DISCONNECTED, DEADLINE
+from replay.vocabulary import BACKEND_ERROR, CLIENT_DISCONNECTED, DEADLINE, MAX_TOTAL_TOKENS
 from tools.executor import ToolOutcome
 from tools.spec import ToolSpec
 
@@ -326,6 +327,7 @@ class AgentLoop:
         return body
 
     async def _call_model(self, record: StepRecord, body: dict[str, Any], state_name: str) -> ChatResult:
+        self._hold_budget(body)
         self._emit(record, state_name, messages=len(body["messages"]))
         record.request = body
         started = time.perf_counter()
@@ -349,6 +351,19 @@ class AgentLoop:
         self.limiter.spent(result.response.get("usage"))
         return result
 
+    def _hold_budget(self, body: dict[str, Any]) -> None:
+        """Before a call: its completion capped so that the run cannot spend past its token budget, or a
+        ``Termination`` when not one completion token fits."""
+        remaining = self.limiter.tokens_left()
+        if remaining is None:
+            return
+        prompt = self.count_tokens(body["messages"], body.get("tools"))
+        try:
+            cap_completion(body, remaining=remaining, prompt_tokens=prompt)
+        except BudgetExhausted as exc:
+            raise Termination(MAX_TOTAL_TOKENS, f"{exc} (max_total_tokens {self.limiter.limits.max_total_tokens})") \
+                from None
+
     def _needs_approval(self, name: str) -> bool:
         spec = self.toolbox.get(name)
         return spec is not None and spec.requires_approval
@@ -362,7 +377,7 @@ class AgentLoop:
 
     async def _maybe_summarize(self, record: StepRecord) -> None:
         budget = self.profile.context_budget_tokens
-        if not budget or self.count_tokens(self.state.messages) <= budget:
+        if not budget or self.count_tokens(self.state.messages, None) <= budget:
             return
         split = ctx.split_for_summary(self.state.messages, self.profile.keep_last_turns)
         if split is None:
@@ -372,14 +387,15 @@ class AgentLoop:
         body = {"model": self.profile.model, "messages": ctx.summary_request(split.middle), "max_tokens": 256}
         summary_record.request = body
         try:
+            self._hold_budget(body)
             result = await self.backend.chat(ChatRequest(body=body, model=self.profile.model, tenant=self.tenant))
             summary_record.result = result
             usage = result.response.get("usage") or {}
             self.state.budget.prompt_tokens += int(usage.get("prompt_tokens") or 0)
             self.state.budget.completion_tokens += int(usage.get("completion_tokens") or 0)
             text = result.message.get("content") or ""
-        except BackendError as exc:
-            summary_record.error = exc.message
+        except (BackendError, Termination) as exc:  # no model summary: the extractive one below stands in
+            summary_record.error = str(exc) if isinstance(exc, Termination) else exc.message
             text = ""
         if not text.strip():
             text = ctx.extractive_summary(split.middle)

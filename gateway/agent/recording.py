@@ -4,6 +4,7 @@ commit together, so the store always holds a state the run can be resumed from."
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from gateway.agent.loop import Profile, RunState, StepRecord
@@ -18,7 +19,7 @@ class StoreRecorder:
     def __init__(self, store: TrajectoryStore, *, profile: Profile, backend: str, tenant: str | None = None,
                  key_id: str | None = None, source: str = AGENT, capture: bool = True,
                  approval_expiry_seconds: float | None = None, metadata: dict[str, Any] | None = None,
-                 lease: runs.Lease | None = None) -> None:
+                 lease: runs.Lease | None = None, on_usage: Callable[[str, int, int], None] | None = None) -> None:
         self.store = store
         self.profile = profile
         self.backend = backend
@@ -31,6 +32,7 @@ class StoreRecorder:
                                         if approval_expiry_seconds is None else approval_expiry_seconds)
         self.metadata = metadata
         self.lease = lease  # the process's, taken with the run's first commit and kept with each step
+        self.on_usage = on_usage
 
     async def start(self, state: RunState) -> None:
         if not self.capture:
@@ -43,6 +45,10 @@ class StoreRecorder:
 
     async def step(self, state: RunState, record: StepRecord, also: list[Statement] | None = None) -> None:
         """Persist one step with the run's state; ``also`` are more statements for the same commit."""
+        if self.on_usage is not None and record.result is not None:
+            usage = record.result.response.get("usage") or {}
+            self.on_usage(self.profile.model, int(usage.get("prompt_tokens") or 0),
+                          int(usage.get("completion_tokens") or 0))
         if not self.capture:
             return
         now = time.time()

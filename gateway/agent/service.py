@@ -56,13 +56,15 @@ class AgentService:
 
     def __init__(self, *, profiles: list[ProfileSettings], store: TrajectoryStore, registry: ToolRegistry,
                  tool_context: ToolContext, backend_for: Callable[[str], Backend],
-                 spawn: Callable[[Coroutine[Any, Any, Any]], None] | None = None) -> None:
+                 spawn: Callable[[Coroutine[Any, Any, Any]], None] | None = None,
+                 on_usage: Callable[[str, int, int], None] | None = None) -> None:
         self.profiles = {p.name: profile_from_settings(p) for p in profiles}
         self.store = store
         self.registry = registry
         self.tool_context = tool_context
         self.backend_for = backend_for
         self.spawn = spawn
+        self.on_usage = on_usage  # (model, prompt tokens, completion tokens) of every model call a run makes
         self.approval_expiry_seconds = tool_context.settings.approval_expiry_seconds
         # This process among all that share the store: a host may run several, and a pid may come back.
         self.lease = runs.Lease(owner=f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}",
@@ -107,7 +109,8 @@ class AgentService:
         backend = self.backend_for(profile.model)
         recorder = StoreRecorder(self.store, profile=profile, backend=backend.name, tenant=tenant, key_id=key_id,
                                  source=source, capture=capture, metadata=metadata,
-                                 approval_expiry_seconds=self.approval_expiry_seconds, lease=self.lease)
+                                 approval_expiry_seconds=self.approval_expiry_seconds, lease=self.lease,
+                                 on_usage=self.on_usage)
         toolbox = Toolbox(self.registry, self.tool_context, profile.tools)
         # Count context with the backend's own tokenizer where it has one.
         loop = AgentLoop(profile=profile, backend=backend, toolbox=toolbox, recorder=recorder, state=state,

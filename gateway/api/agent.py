@@ -53,7 +53,7 @@ async def agent_chat(request: Request, principal: Principal, parsed: ChatComplet
     log_fields = request.scope["state"]["log"]
     if not parsed.stream:
         loop, recorder = gateway.agents.prepare(profile_name, messages, principal)
-        log_fields.update(model=parsed.model, trajectory_id=loop.state.run_id)
+        log_fields.update(model=parsed.model, backend=loop.backend.name, trajectory_id=loop.state.run_id)
         await recorder.start(loop.state)
         state = await loop.run()
         log_fields.update(agent_status=state.status, termination_reason=state.termination_reason)
@@ -62,7 +62,7 @@ async def agent_chat(request: Request, principal: Principal, parsed: ChatComplet
     queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     loop, recorder = gateway.agents.prepare(profile_name, messages, principal,
                                             on_event=lambda e: [queue.put_nowait(p) for p in _progress(e)])
-    log_fields.update(model=parsed.model, trajectory_id=loop.state.run_id)
+    log_fields.update(model=parsed.model, backend=loop.backend.name, trajectory_id=loop.state.run_id)
     await recorder.start(loop.state)
     wants_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
     return EventStreamResponse(_stream(loop.run, queue, loop.state, parsed.model, created, wants_usage),

@@ -186,7 +186,7 @@ async def complete(request: Request, exchange: Exchange,
             status="client_disconnected", error="the client closed the connection before the answer")])
         raise
     await save(request, exchange, records, statements_for(result) if statements_for else [])
-    account(request, exchange, result.response.get("usage"))
+    account(request, exchange, records)
     return result
 
 
@@ -244,14 +244,13 @@ async def _guard(request: Request, exchange: Exchange, result: ChatResult, recor
     return result
 
 
-def account(request: Request, exchange: Exchange, usage: dict[str, Any] | None) -> None:
-    if not usage:
-        return
-    metrics = request.app.state.gateway.metrics
-    prompt, completion = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
-    metrics.tokens.labels(exchange.parsed.model, "prompt").inc(prompt)
-    metrics.tokens.labels(exchange.parsed.model, "completion").inc(completion)
-    request.scope["state"]["log"].update(prompt_tokens=prompt, completion_tokens=completion)
+def account(request: Request, exchange: Exchange, records: list[CallRecord]) -> None:
+    """The tokens of every call an exchange made (a guard's retries too), in the metrics and the request's log."""
+    prompt = sum(r.prompt_tokens for r in records)
+    completion = sum(r.completion_tokens for r in records)
+    request.app.state.gateway.metrics.count_tokens(exchange.parsed.model.partition("@")[0], prompt, completion)
+    if prompt or completion:
+        request.scope["state"]["log"].update(prompt_tokens=prompt, completion_tokens=completion)
 
 
 def _split_tool_calls(chunk: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
@@ -385,7 +384,7 @@ class Relay:
             ttft_ms=self._ttft_ms)])
 
     async def commit(self, statements: Statements | None = None) -> None:
-        account(self.request, self.exchange, self.acc.usage)
+        account(self.request, self.exchange, self.records)
         if self.status == "error":
             self.request.app.state.gateway.metrics.errors.labels("backend_error").inc()
         await save(self.request, self.exchange, self.records, statements)

@@ -30,6 +30,7 @@ from gateway.api.common import json_response, parse_json, read_body
 from gateway.api.exchange import (
     Exchange,
     Relay,
+    account,
     as_api_error,
     choose_model,
     complete,
@@ -205,6 +206,7 @@ async def _pass_through(request: Request, exchange: Exchange, asked: _Request, b
             raise
         record = _recorded(exchange, reply.status, reply.body)
         await save(request, exchange, [record])
+        account(request, exchange, [record])
         return Response(reply.body, status_code=reply.status, headers=_answer_headers(reply.headers, exchange.headers))
     try:
         upstream = await backend.open_stream(MESSAGES_PATH, asked.raw, request.headers, query=query)
@@ -289,6 +291,7 @@ async def _relay_events(request: Request, exchange: Exchange, upstream: EventStr
     except APIError as exc:  # not recorded: the finishing events are not sent
         yield encode_named_event("error", error_body(exc.status_code, exc.message))
         return
+    account(request, exchange, [record])
     yield b"".join(held)
 
 

@@ -145,7 +145,8 @@ async def _agent_response(request: Request, principal: Principal, body: dict[str
     profile = chat_body["model"][len(AGENT_PREFIX):]
     messages = [m for m in chat_body["messages"] if m.get("role") != "system"] or chat_body["messages"]
     loop, recorder = gateway.agents.prepare(profile, messages, principal)
-    request.scope["state"]["log"].update(model=chat_body["model"], trajectory_id=loop.state.run_id)
+    request.scope["state"]["log"].update(model=chat_body["model"], backend=loop.backend.name,
+                                         trajectory_id=loop.state.run_id)
     await recorder.start(loop.state)
     state = await loop.run()
     harness = state.harness()

@@ -13,24 +13,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
-import httpx2 as httpx
 import structlog
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
-from gateway.backends.base import (
-    BackendError,
-    BadGateway,
-    ChatRequest,
-    ChatResult,
-    ChunkStream,
-)
-from gateway.backends.openai_compat import (
-    ERROR_BODY_BYTES,
-    read_body,
-    stream_failure,
-    transport_failure,
-    upstream_client,
-)
+from gateway.backends.base import BackendError, ChatRequest, ChatResult, ChunkStream
+from gateway.backends.openai_compat import ERROR_BODY_BYTES
+from gateway.backends.upstream_http import Unreached, UpstreamClient, UpstreamResponse
 from gateway.config import BackendSettings
 
 log = structlog.get_logger()
@@ -51,7 +39,7 @@ class Reply:
     body: bytes
 
 
-def _answer_headers(response: httpx.Response) -> dict[str, str]:
+def _answer_headers(response: UpstreamResponse) -> dict[str, str]:
     return {k: v for k, v in response.headers.items()
             if k in _ANSWER_HEADERS or k.startswith("anthropic-ratelimit-")}
 
@@ -59,11 +47,10 @@ def _answer_headers(response: httpx.Response) -> dict[str, str]:
 class EventStream:
     """A streamed answer: its bytes as they arrive. A refusal (``status`` not 200) holds its whole body instead."""
 
-    def __init__(self, response: httpx.Response, backend: str, max_bytes: int, refusal: bytes | None = None) -> None:
-        self.status = response.status_code
+    def __init__(self, response: UpstreamResponse, max_bytes: int, refusal: bytes | None = None) -> None:
+        self.status = response.status
         self.headers = _answer_headers(response)
         self._response = response
-        self._backend = backend
         self._max_bytes = max_bytes
         self._refusal = refusal
 
@@ -74,25 +61,15 @@ class EventStream:
         if self._refusal is not None:
             yield self._refusal
             return
-        size = 0
-        try:
-            async for data in self._response.aiter_raw():
-                size += len(data)
-                if size > self._max_bytes:
-                    raise BadGateway(f"backend {self._backend!r} streamed more than its limit of {self._max_bytes} "
-                                     "bytes (max_response_bytes)")
-                yield data
-        except httpx.TransportError as exc:
-            raise stream_failure(self._backend, exc) from None
-        finally:
-            await self._response.aclose()
+        async for data in self._response.iter_bytes(self._max_bytes):
+            yield data
 
     async def aclose(self) -> None:
         await self._response.aclose()
 
 
 class _Retryable(Exception):
-    def __init__(self, error: BackendError | None = None, response: httpx.Response | None = None,
+    def __init__(self, error: BackendError | None = None, response: UpstreamResponse | None = None,
                  body: bytes = b"") -> None:
         self.error = error
         self.response = response
@@ -104,10 +81,10 @@ class AnthropicBackend:
         self.settings = settings
         self.name = settings.name
         self.models = list(settings.models)
-        self._client: httpx.AsyncClient | None = None
+        self._client: UpstreamClient | None = None
 
     async def start(self) -> None:
-        self._client = upstream_client(self.settings)
+        self._client = UpstreamClient(self.settings)
 
     async def aclose(self) -> None:
         if self._client is not None:
@@ -125,15 +102,14 @@ class AnthropicBackend:
 
     async def send(self, path: str, body: bytes, headers: Mapping[str, str], *, query: str = "") -> Reply:
         response, content = await self._post(path, body, headers, query, stream=False)
-        return Reply(response.status_code, _answer_headers(response), content)
+        return Reply(response.status, _answer_headers(response), content)
 
     async def open_stream(self, path: str, body: bytes, headers: Mapping[str, str], *, query: str = "") -> EventStream:
         response, refusal = await self._post(path, body, headers, query, stream=True)
-        return EventStream(response, self.name, self.settings.max_response_bytes,
-                           refusal if response.status_code != 200 else None)
+        return EventStream(response, self.settings.max_response_bytes, refusal if response.status != 200 else None)
 
     async def _post(self, path: str, body: bytes, headers: Mapping[str, str], query: str,
-                    *, stream: bool) -> tuple[httpx.Response, bytes]:
+                    *, stream: bool) -> tuple[UpstreamResponse, bytes]:
         """The upstream's answer after retries; its whole body unless it is a stream that was accepted."""
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.settings.max_retries + 1),
@@ -155,23 +131,21 @@ class AnthropicBackend:
         raise AssertionError("unreachable")
 
     async def _attempt(self, url: str, body: bytes, headers: dict[str, str],
-                       stream: bool) -> tuple[httpx.Response, bytes]:
+                       stream: bool) -> tuple[UpstreamResponse, bytes]:
         assert self._client is not None, "backend not started"
-        request = self._client.build_request("POST", url, content=body, headers=headers)
         try:
-            response = await self._client.send(request, stream=True)
-            if response.status_code >= 400:
-                content = await read_body(response, ERROR_BODY_BYTES, self.name, truncate=True)
-                if response.status_code in RETRY_STATUSES:
-                    log.warning("backend.retry", backend=self.name, status=response.status_code)
+            response = await self._client.open("POST", url, body, headers)
+            if response.status >= 400:
+                content = await response.read(ERROR_BODY_BYTES, truncate=True)
+                if response.status in RETRY_STATUSES:
+                    log.warning("backend.retry", backend=self.name, status=response.status)
                     raise _Retryable(response=response, body=content)
                 return response, content
             if stream:
                 return response, b""
-            return response, await read_body(response, self.settings.max_response_bytes, self.name)
-        except httpx.TransportError as exc:
-            error, retry = transport_failure(self.name, exc)
-            raise (_Retryable(error) if retry else error) from None
+            return response, await response.read(self.settings.max_response_bytes)
+        except Unreached as exc:
+            raise (_Retryable(exc.error) if exc.retry else exc.error) from None
 
     def _wrong_api(self) -> BackendError:
         return BackendError(f"backend {self.name!r} speaks the Anthropic Messages API: its models are served on "

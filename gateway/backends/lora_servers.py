@@ -8,13 +8,14 @@ in their probes. vLLM accepts runtime loading only when started with ``VLLM_ALLO
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
-import httpx2 as httpx
 import orjson
 
 from gateway.backends.base import AdapterNotLoaded, BackendError, BackendUnavailable, ChatRequest, ChatResult
 from gateway.backends.openai_compat import OpenAICompatBackend, UpstreamStream
+from gateway.backends.upstream_http import Unreached
 
 # An upstream's "no such adapter" answers; naming the adapter is what makes one about the adapter. SGLang:
 # "Got LoRA adapter that has never been loaded: X" (chat), "LoRA with name X does not exist" (unload),
@@ -23,6 +24,19 @@ from gateway.backends.openai_compat import OpenAICompatBackend, UpstreamStream
 _MISSING = re.compile(r"never been loaded|not (be )?(found|loaded)|does not exist|cannot be found|unknown|no such",
                       re.IGNORECASE)
 _ALREADY = re.compile(r"already (been )?(loaded|exists?)", re.IGNORECASE)
+
+
+@dataclass
+class _Answer:
+    """An answer to one of the server's own routes, read whole."""
+
+    status_code: int
+    reason: str
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", "replace")
 
 
 class _LoRAServer(OpenAICompatBackend):
@@ -34,13 +48,15 @@ class _LoRAServer(OpenAICompatBackend):
         super().__init__(*args, **kwargs)
         self.root = re.sub(r"/v1/?$", "", str(self.settings.base_url).rstrip("/"))
 
-    async def _admin(self, method: str, route: str, body: dict[str, Any] | None = None) -> httpx.Response:
+    async def _admin(self, method: str, route: str, body: dict[str, Any] | None = None) -> _Answer:
         assert self._client is not None, "backend not started"
         try:
-            return await self._client.request(method, self.root + route, content=orjson.dumps(body) if body else None,
-                                              headers={"Content-Type": "application/json"} if body else None)
-        except httpx.TransportError as exc:
-            raise BackendUnavailable(f"backend {self.name!r} is unreachable: {exc or type(exc).__name__}") from None
+            response = await self._client.open(method, self.root + route, orjson.dumps(body) if body else None,
+                                               {"Content-Type": "application/json"} if body else None)
+            content = await response.read(self.settings.max_response_bytes)
+        except Unreached as exc:
+            raise BackendUnavailable(exc.error.message) from None
+        return _Answer(response.status, response.reason, content)
 
     async def load_adapter(self, name: str, path: str) -> None:
         response = await self._admin("POST", self.load_route, self._load_body(name, path))
@@ -128,12 +144,12 @@ class VLLMBackend(_LoRAServer):
         return request.adapter or request.model
 
 
-def _message(response: httpx.Response) -> str:
+def _message(response: _Answer) -> str:
     text = response.text[:500]
     try:
         body = orjson.loads(response.content)
     except orjson.JSONDecodeError:
-        return text or response.reason_phrase
+        return text or response.reason
     if isinstance(body, dict):
         err = body.get("error")
         if isinstance(err, dict):

@@ -1,7 +1,8 @@
-"""Server-sent events framing for OpenAI-style streams."""
+"""Server-sent events: framing for OpenAI-style streams, and splitting an upstream's bytes into events."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -24,3 +25,20 @@ def encode_named_event(event_type: str, payload: dict[str, Any]) -> bytes:
 def encode_named_events(events: list[dict[str, Any]]) -> bytes:
     """Events that name their own type (``{"type": ...}``, as Responses and Anthropic streams do), framed in order."""
     return b"".join(encode_named_event(e["type"], e) for e in events)
+
+
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+
+
+def split_events(buffer: bytes) -> tuple[list[tuple[bytes, bytes | None]], bytes]:
+    """The complete events at the start of ``buffer``, each as its raw bytes (blank line included) and its data
+    (the ``data:`` lines' values joined by newlines, or None when it has none: a comment, a bare ``event:``), and
+    the bytes of the event not yet complete."""
+    events = []
+    start = 0
+    while match := _EVENT_END.search(buffer, start):
+        raw = buffer[start:match.end()]
+        start = match.end()
+        data = [line[5:].removeprefix(b" ") for line in raw.splitlines() if line.startswith(b"data:")]
+        events.append((raw, b"\n".join(data) if data else None))
+    return events, buffer[start:]

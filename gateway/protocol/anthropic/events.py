@@ -7,31 +7,29 @@ adds reaches the client untouched either way, since the bytes go on as they are.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import orjson
 
 from gateway.protocol.anthropic.from_chat import tool_input
-
-_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+from gateway.protocol.sse import split_events
 
 
 def parse_sse(buffer: bytes) -> tuple[list[tuple[bytes, dict[str, Any] | None]], bytes]:
     """The complete events at the start of ``buffer`` (each as its raw bytes, blank line included, and its data
     parsed as JSON, or None), and the bytes of the event not yet complete."""
-    events = []
-    start = 0
-    while match := _END.search(buffer, start):
-        raw = buffer[start:match.end()]
-        start = match.end()
-        data = [line[5:].lstrip(b" ") for line in raw.splitlines() if line.startswith(b"data:")]
-        try:
-            parsed = orjson.loads(b"\n".join(data)) if data else None
-        except orjson.JSONDecodeError:
-            parsed = None
-        events.append((raw, parsed if isinstance(parsed, dict) else None))
-    return events, buffer[start:]
+    events, rest = split_events(buffer)
+    return [(raw, _json_object(data)) for raw, data in events], rest
+
+
+def _json_object(data: bytes | None) -> dict[str, Any] | None:
+    if data is None:
+        return None
+    try:
+        parsed = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
 
 
 class MessageAccumulator:

@@ -8,6 +8,7 @@ import asyncio
 import io
 import json
 import math
+import re
 import tarfile
 import threading
 import time
@@ -327,3 +328,21 @@ def test_key_defaults_and_the_override_header(kind: str, tmp_path: Path) -> None
         assert ask("sk-override", BASE, header=f"{BASE}:sql").json()["choices"][0]["message"]["content"] == \
             "served by sql@1"
 
+
+
+def test_adapter_versions_do_not_multiply_request_series(setup: Setup) -> None:
+    setup.register()
+    setup.register()
+    setup.act("promote", version=1)
+    setup.act("promote", version=2)
+    for model in (f"{BASE}:sql", f"{BASE}:sql@1", f"{BASE}:sql@2", BASE):
+        setup.ask(model)
+    deadline = time.monotonic() + 5
+    while True:  # a request is counted once its last byte is out
+        lines = [line for line in setup.admin.get("/metrics").text.splitlines()
+                 if line.startswith('harness_requests_total{') and 'route="chat"' in line]
+        if sum(float(line.rsplit(" ", 1)[1]) for line in lines) >= 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    models = sorted(re.search(r'model="([^"]*)"', line).group(1) for line in lines)
+    assert models == [BASE, f"{BASE}:sql"], lines

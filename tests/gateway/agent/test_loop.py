@@ -159,11 +159,23 @@ async def test_max_steps(store) -> None:
     assert len(backend.requests) == 3 and state.budget.steps == 3
 
 
-async def test_token_budget(store) -> None:
-    profile = Profile(name="t", model="scripted-model", tools=["get_weather"], limits=Limits(max_total_tokens=40))
-    state, backend, _ = await run_agent(store, [call("get_weather", {"city": c}) for c in "ABCDEF"], profile=profile)
+async def test_token_budget_is_held_before_each_call(store) -> None:
+    """Each call's completion is capped to what the budget leaves after its prompt: the run stops at its budget,
+    never past it, and the call that would not fit one completion token is not made."""
+    budget = 470
+    backend = ScriptedBackend([call("get_weather", {"city": c}) for c in "ABCDEFGHIJ"], usage=(0, 120), counted=True)
+    profile = Profile(name="t", model="scripted-model", tools=["get_weather"], limits=Limits(max_total_tokens=budget))
+    state, _, _ = await run_agent(store, [], profile=profile, backend=backend)
     assert state.termination_reason == "max_total_tokens"
-    assert state.budget.total_tokens >= 40 and len(backend.requests) == 3
+    assert state.budget.total_tokens <= budget
+    caps = [r.get("max_tokens") for r in backend.requests]
+    assert all(isinstance(c, int) for c in caps) and min(caps) < 120, caps  # a call was capped
+    spent = 0
+    for request in backend.requests:  # each call was sent with exactly the room it had
+        prompt = backend.count_tokens(request["messages"], request.get("tools"))
+        assert request["max_tokens"] == budget - spent - prompt
+        spent += prompt + min(120, request["max_tokens"])
+    assert spent == state.budget.total_tokens
 
 
 async def test_deadline(store) -> None:
