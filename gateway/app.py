@@ -26,6 +26,7 @@ from gateway.bot.service import BotService
 from gateway.bot.webhook import WebhookPlatform
 from gateway.bot.wecom import WeComPlatform
 from gateway.config import Settings
+from gateway.context import Handler, access_line, endpoint, open_line
 from gateway.errors import APIError, error_response, store_unavailable
 from gateway.metrics import Metrics
 from gateway.routing import Caller, Router
@@ -154,7 +155,8 @@ class Gateway:
 class AccessLog:
     """Pure ASGI middleware: one structured line and the metrics for every request.
 
-    Handlers add fields (trajectory id, model, tokens) to ``scope["state"]["log"]``.
+    Handlers fill in the request's typed ``AccessLine`` (gateway/context.py): where it was routed, its trajectory,
+    its tokens.
     """
 
     def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
@@ -166,8 +168,7 @@ class AccessLog:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        fields: dict[str, Any] = {}
-        scope.setdefault("state", {})["log"] = fields
+        line = open_line(scope)
         status = 500
 
         async def send_wrapper(message: Message) -> None:
@@ -181,11 +182,10 @@ class AccessLog:
         finally:
             elapsed = time.perf_counter() - started
             route = scope.get("route_name") or _route_name(scope)
-            self.gateway.metrics.observe_request(route, status, str(fields.get("model") or ""),
-                                                 str(fields.get("backend") or ""), elapsed)
+            self.gateway.metrics.observe_request(route, status, line.model or "", line.backend or "", elapsed)
             if route not in ("metrics", "healthz"):
                 log.info("request", method=scope["method"], path=scope["path"], status=status,
-                         latency_ms=round(elapsed * 1000, 2), **fields)
+                         latency_ms=round(elapsed * 1000, 2), **line.fields())
 
 
 def _route_name(scope: Scope) -> str:
@@ -204,7 +204,7 @@ async def _method_not_allowed(request: Request, exc: Exception) -> Response:
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    request.scope["state"].get("log", {})["error"] = exc.code or exc.error_type
+    access_line(request.scope).error = exc.code or exc.error_type
     request.app.state.gateway.metrics.errors.labels(exc.error_type).inc()
     return _render(request, exc)
 
@@ -241,34 +241,34 @@ def build_app(settings: Settings) -> Starlette:
         finally:
             await gateway.stop()
 
+    def route(path: str, handler: Handler, method: str, name: str) -> Route:
+        return Route(path, endpoint(gateway, handler), methods=[method], name=name)
+
     routes = [
-        Route("/v1/chat/completions", chat.chat_completions, methods=["POST"], name="chat"),
-        Route("/v1/responses", responses.create_response, methods=["POST"], name="responses"),
-        Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"], name="response"),
-        Route("/v1/messages", messages.create_message, methods=["POST"], name="messages"),
-        Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"], name="messages_count_tokens"),
-        Route("/v1/agent/runs", agent.create_run, methods=["POST"], name="agent_runs"),
-        Route("/v1/agent/runs/{run_id}", agent.get_run, methods=["GET"], name="agent_run"),
-        Route("/v1/models", models.list_models, methods=["GET"], name="models"),
-        Route("/v1/models/{model:path}", models.get_model, methods=["GET"], name="model"),
-        Route("/v1/trajectories", trajectories.list_own, methods=["GET"], name="trajectories"),
-        Route("/v1/trajectories/{trajectory_id}", trajectories.show_own, methods=["GET"], name="trajectory"),
-        Route("/v1/trajectories/{trajectory_id}/feedback", trajectories.feedback, methods=["POST"],
-              name="trajectory_feedback"),
-        Route("/admin/adapters", adapters.list_adapters, methods=["GET"], name="admin_adapters"),
-        Route("/admin/adapters", adapters.register, methods=["POST"], name="admin_adapters_register"),
-        Route("/admin/adapters/{name}/{action}", adapters.lifecycle, methods=["POST"], name="admin_adapter_action"),
-        Route("/admin/trajectories", trajectories.list_all, methods=["GET"], name="admin_trajectories"),
-        Route("/admin/trajectories/{trajectory_id}", trajectories.show_any, methods=["GET"],
-              name="admin_trajectory"),
-        Route("/admin/approvals", approvals.list_approvals, methods=["GET"], name="admin_approvals"),
-        Route("/admin/approvals/{approval_id}", approvals.show, methods=["GET"], name="admin_approval"),
-        Route("/admin/approvals/{approval_id}/{action}", approvals.decide, methods=["POST"],
-              name="admin_approval_decide"),
-        *[route for platform in gateway.bot.platforms.values() for route in platform.routes()],
-        Route("/openapi.json", openapi.openapi_json, methods=["GET"], name="openapi"),
-        Route("/healthz", health.healthz, methods=["GET"], name="healthz"),
-        Route("/metrics", health.metrics, methods=["GET"], name="metrics"),
+        route("/v1/chat/completions", chat.chat_completions, "POST", "chat"),
+        route("/v1/responses", responses.create_response, "POST", "responses"),
+        route("/v1/responses/{response_id}", responses.get_response, "GET", "response"),
+        route("/v1/messages", messages.create_message, "POST", "messages"),
+        route("/v1/messages/count_tokens", messages.count_tokens, "POST", "messages_count_tokens"),
+        route("/v1/agent/runs", agent.create_run, "POST", "agent_runs"),
+        route("/v1/agent/runs/{run_id}", agent.get_run, "GET", "agent_run"),
+        route("/v1/models", models.list_models, "GET", "models"),
+        route("/v1/models/{model:path}", models.get_model, "GET", "model"),
+        route("/v1/trajectories", trajectories.list_own, "GET", "trajectories"),
+        route("/v1/trajectories/{trajectory_id}", trajectories.show_own, "GET", "trajectory"),
+        route("/v1/trajectories/{trajectory_id}/feedback", trajectories.feedback, "POST", "trajectory_feedback"),
+        route("/admin/adapters", adapters.list_adapters, "GET", "admin_adapters"),
+        route("/admin/adapters", adapters.register, "POST", "admin_adapters_register"),
+        route("/admin/adapters/{name}/{action}", adapters.lifecycle, "POST", "admin_adapter_action"),
+        route("/admin/trajectories", trajectories.list_all, "GET", "admin_trajectories"),
+        route("/admin/trajectories/{trajectory_id}", trajectories.show_any, "GET", "admin_trajectory"),
+        route("/admin/approvals", approvals.list_approvals, "GET", "admin_approvals"),
+        route("/admin/approvals/{approval_id}", approvals.show, "GET", "admin_approval"),
+        route("/admin/approvals/{approval_id}/{action}", approvals.decide, "POST", "admin_approval_decide"),
+        *[bot_route for platform in gateway.bot.platforms.values() for bot_route in platform.routes()],
+        route("/openapi.json", openapi.openapi_json, "GET", "openapi"),
+        route("/healthz", health.healthz, "GET", "healthz"),
+        route("/metrics", health.metrics, "GET", "metrics"),
     ]
     app = Starlette(
         routes=routes,

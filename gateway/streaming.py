@@ -1,4 +1,5 @@
-"""Noticing a client going away: for a stream while it is sent, and for a plain answer while it is computed.
+"""Noticing a client going away: for a plain answer while it is computed, and for a stream while it is sent
+(Starlette's ``StreamingResponse`` watches for that itself).
 
 While the work runs, a watcher waits for ``http.disconnect``; when it comes, the work is cancelled so the
 upstream request (or the embedded engine's job) stops at once instead of running to completion for nobody.
@@ -11,7 +12,8 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
 from starlette.requests import ClientDisconnect
-from starlette.types import Receive, Scope, Send
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Send
 
 T = TypeVar("T")
 
@@ -42,40 +44,18 @@ async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
         watcher.cancel()
 
 
-class EventStreamResponse:
+class EventStreamResponse(StreamingResponse):
+    """A server-sent-events stream. Starlette watches for the client going away and cancels the stream then; the
+    frames' generator is always closed here, at once, so what it does on the way out (recording a stream the client
+    left) never waits for garbage collection."""
+
     def __init__(self, frames: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> None:
+        super().__init__(frames, media_type="text/event-stream",
+                         headers={"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})})
         self.frames = frames
-        self.headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                        (b"x-accel-buffering", b"no")]
-        self.headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        pump = asyncio.create_task(self._pump(send))
-        watch = asyncio.create_task(self._watch(receive))
+    async def stream_response(self, send: Send) -> None:
         try:
-            done, _ = await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not pump.done():
-                pump.cancel()
-            watch.cancel()
-            await asyncio.gather(pump, watch, return_exceptions=True)
-        if pump in done and not pump.cancelled() and pump.exception() is not None:
-            exc = pump.exception()
-            if not isinstance(exc, OSError):  # the client vanished while we were writing
-                raise exc  # type: ignore[misc]
-
-    async def _pump(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-        try:
-            async for frame in self.frames:
-                await send({"type": "http.response.body", "body": frame, "more_body": True})
+            await super().stream_response(send)
         finally:
             await self.frames.aclose()  # type: ignore[attr-defined]
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    @staticmethod
-    async def _watch(receive: Receive) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return

@@ -12,17 +12,13 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.adapters.service import AdapterService
 from gateway.api.common import json_response, parse_json, read_body, read_json_body
+from gateway.context import RequestContext
 from gateway.errors import APIError
 from replay.adapters import AdapterVersion, RegistryError
 
 ARCHIVE_TYPES = ("application/x-tar", "application/gzip", "application/x-gzip", "application/octet-stream")
 _JSON_LIMIT = 1 << 20
-
-
-def _service(request: Request) -> AdapterService:
-    return request.app.state.gateway.adapters
 
 
 def _api_error(exc: RegistryError) -> APIError:
@@ -52,21 +48,21 @@ def _card(version: AdapterVersion, **extra: Any) -> dict[str, Any]:
     return {"object": "adapter", **version.as_dict(), **extra}
 
 
-async def list_adapters(request: Request) -> Response:
-    gateway = request.app.state.gateway
+async def list_adapters(ctx: RequestContext) -> Response:
+    request, gateway = ctx.request, ctx.gateway
     await gateway.auth.require_admin(request.headers)
     try:
-        versions = await _service(request).list()
+        versions = await gateway.adapters.list()
     except RegistryError as exc:
         raise _api_error(exc) from None
     return json_response({"object": "list", "data": [_card(v) for v in versions],
                           "loaded": gateway.adapter_manager.loaded()})
 
 
-async def register(request: Request) -> Response:
-    gateway = request.app.state.gateway
+async def register(ctx: RequestContext) -> Response:
+    request, gateway = ctx.request, ctx.gateway
     await gateway.auth.require_admin(request.headers)
-    service = _service(request)
+    service = gateway.adapters
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     try:
         if content_type in ARCHIVE_TYPES:
@@ -96,11 +92,11 @@ async def register(request: Request) -> Response:
     return json_response(_card(version), status=201)
 
 
-async def lifecycle(request: Request) -> Response:
+async def lifecycle(ctx: RequestContext) -> Response:
     """``POST /admin/adapters/{name}/{action}`` for publish, promote, rollback and retire."""
-    gateway = request.app.state.gateway
+    request, gateway = ctx.request, ctx.gateway
     await gateway.auth.require_admin(request.headers)
-    service = _service(request)
+    service = gateway.adapters
     name, action = request.path_params["name"], request.path_params["action"]
     options = await _options(request)
     try:

@@ -12,7 +12,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.agent.loop import EXECUTE, OBSERVE, RunState, StepEvent
@@ -20,6 +19,7 @@ from gateway.agent.service import AGENT_PREFIX, LIMIT_KEYS
 from gateway.api.common import json_response, read_json_body
 from gateway.api.exchange import TRAJECTORY_HEADER
 from gateway.auth import Principal
+from gateway.context import RequestContext
 from gateway.errors import APIError
 from gateway.protocol.agent_runs import validate_agent_run
 from gateway.protocol.chat import ChatCompletionRequest
@@ -44,25 +44,25 @@ def _progress(event: StepEvent) -> list[dict[str, Any]]:
     return []
 
 
-async def agent_chat(request: Request, principal: Principal, parsed: ChatCompletionRequest,
+async def agent_chat(ctx: RequestContext, principal: Principal, parsed: ChatCompletionRequest,
                      body: dict[str, Any]) -> Response:
-    gateway = request.app.state.gateway
+    gateway = ctx.gateway
     profile_name = parsed.model[len(AGENT_PREFIX):]
     created = int(time.time())
     messages = [m for m in body["messages"] if m.get("role") != "system"] or body["messages"]
-    log_fields = request.scope["state"]["log"]
+    line = ctx.line
     if not parsed.stream:
         loop, recorder = gateway.agents.prepare(profile_name, messages, principal)
-        log_fields.update(model=parsed.model, backend=loop.backend.name, trajectory_id=loop.state.run_id)
+        line.model, line.backend, line.trajectory_id = parsed.model, loop.backend.name, loop.state.run_id
         await recorder.start(loop.state)
         state = await loop.run()
-        log_fields.update(agent_status=state.status, termination_reason=state.termination_reason)
+        line.agent_status, line.termination_reason = state.status, state.termination_reason
         return json_response(_completion(state, parsed.model, created), headers={TRAJECTORY_HEADER: state.run_id})
 
     queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     loop, recorder = gateway.agents.prepare(profile_name, messages, principal,
                                             on_event=lambda e: [queue.put_nowait(p) for p in _progress(e)])
-    log_fields.update(model=parsed.model, backend=loop.backend.name, trajectory_id=loop.state.run_id)
+    line.model, line.backend, line.trajectory_id = parsed.model, loop.backend.name, loop.state.run_id
     await recorder.start(loop.state)
     wants_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
     return EventStreamResponse(_stream(loop.run, queue, loop.state, parsed.model, created, wants_usage),
@@ -103,9 +103,9 @@ async def _stream(run: Any, queue: asyncio.Queue[dict[str, Any]], state: RunStat
     yield b"".join(frames)
 
 
-async def create_run(request: Request) -> Response:
+async def create_run(ctx: RequestContext) -> Response:
     """``POST /v1/agent/runs``: start a run in the background and return its id at once."""
-    gateway = request.app.state.gateway
+    request, gateway = ctx.request, ctx.gateway
     principal = await gateway.auth.authenticate(request.headers)
     parsed = validate_agent_run(await read_json_body(request, gateway.settings.server.max_body_bytes))
     profile, messages, limits = parsed.profile, parsed.input, parsed.limits or {}
@@ -117,13 +117,13 @@ async def create_run(request: Request) -> Response:
     loop.cancelled_as = ("interrupted", None)
     await recorder.start(loop.state)
     gateway.spawn(loop.run(), cancel_on_stop=True)
-    request.scope["state"]["log"]["trajectory_id"] = loop.state.run_id
+    ctx.line.trajectory_id = loop.state.run_id
     return json_response({"id": loop.state.run_id, "object": "agent.run", "profile": profile, "status": "running"},
                  status=201, headers={TRAJECTORY_HEADER: loop.state.run_id})
 
 
-async def get_run(request: Request) -> Response:
-    gateway = request.app.state.gateway
+async def get_run(ctx: RequestContext) -> Response:
+    request, gateway = ctx.request, ctx.gateway
     principal = await gateway.auth.authenticate(request.headers)
     run_id = request.path_params["run_id"]
     found = await gateway.agents.get(run_id, principal)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api.common import json_response, parse_json, read_body
+from gateway.context import RequestContext
 from gateway.errors import APIError
 from replay import approvals
 
@@ -15,8 +15,8 @@ STATUSES = ("pending", "approved", "denied", "expired")
 _DECISION_LIMIT = 16 * 1024
 
 
-async def list_approvals(request: Request) -> Response:
-    gateway = request.app.state.gateway
+async def list_approvals(ctx: RequestContext) -> Response:
+    request, gateway = ctx.request, ctx.gateway
     await gateway.auth.require_admin(request.headers)
     status = request.query_params.get("status", "pending")
     if status not in (*STATUSES, "all"):
@@ -26,8 +26,8 @@ async def list_approvals(request: Request) -> Response:
     return json_response({"object": "list", "data": rows})
 
 
-async def show(request: Request) -> Response:
-    gateway = request.app.state.gateway
+async def show(ctx: RequestContext) -> Response:
+    request, gateway = ctx.request, ctx.gateway
     await gateway.auth.require_admin(request.headers)
     row = await approvals.get_approval(gateway.store, request.path_params["approval_id"])
     if row is None:
@@ -35,9 +35,9 @@ async def show(request: Request) -> Response:
     return json_response(row)
 
 
-async def decide(request: Request) -> Response:
+async def decide(ctx: RequestContext) -> Response:
     """``POST /admin/approvals/{id}/approve|deny`` with an optional ``{"reason", "by"}``."""
-    gateway = request.app.state.gateway
+    request, gateway = ctx.request, ctx.gateway
     await gateway.auth.require_admin(request.headers)
     action = request.path_params["action"]
     if action not in ("approve", "deny"):

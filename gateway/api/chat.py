@@ -4,33 +4,33 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.agent.service import AGENT_PREFIX
 from gateway.api.agent import agent_chat
 from gateway.api.common import json_response, read_json_body
 from gateway.api.exchange import Relay, choose_model, complete, open_exchange, open_stream
+from gateway.context import RequestContext
 from gateway.errors import APIError, error_body
 from gateway.protocol.chat import validate_chat_request
 from gateway.protocol.sse import DONE, encode_event
 from gateway.streaming import EventStreamResponse
 
 
-async def chat_completions(request: Request) -> Response:
-    gateway = request.app.state.gateway
+async def chat_completions(ctx: RequestContext) -> Response:
+    request, gateway = ctx.request, ctx.gateway
     principal = await gateway.auth.authenticate(request.headers)
     body = await read_json_body(request, gateway.settings.server.max_body_bytes)
     parsed = validate_chat_request(body)
-    if choose_model(request, principal, parsed, body).startswith(AGENT_PREFIX):
-        return await agent_chat(request, principal, parsed, body)
-    exchange = await open_exchange(request, principal, body, parsed)
+    if choose_model(ctx, principal, parsed, body).startswith(AGENT_PREFIX):
+        return await agent_chat(ctx, principal, parsed, body)
+    exchange = await open_exchange(ctx, principal, body, parsed)
     if not parsed.stream:
-        result = await complete(request, exchange)
+        result = await complete(ctx, exchange)
         return json_response(result.response, headers=exchange.headers)
-    stream = await open_stream(request, exchange)
+    stream = await open_stream(ctx, exchange)
     wants_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-    relay = Relay(request, exchange, stream, include_usage=wants_usage)
+    relay = Relay(ctx, exchange, stream, include_usage=wants_usage)
     return EventStreamResponse(_frames(relay), headers=exchange.headers)
 
 

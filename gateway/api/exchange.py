@@ -13,14 +13,16 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import structlog
-from starlette.requests import ClientDisconnect, Request
+from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect
 
 from gateway.agent import guard
 from gateway.agent.validation import function_schemas
 from gateway.auth import Principal
 from gateway.backends.base import Backend, BackendError, ChatRequest, ChatResult, ChunkStream
+from gateway.context import RequestContext
 from gateway.errors import APIError, store_unavailable
-from gateway.protocol.chat import ChatCompletionRequest, ChunkAccumulator, carries_output
+from gateway.protocol.chat import ChatCompletionRequest, ChunkRelay, carries_output
 from gateway.protocol.sse import encode_named_events
 from gateway.routing import Target
 from gateway.streaming import unless_disconnected
@@ -38,9 +40,9 @@ _PARAM_KEYS = ("temperature", "top_p", "max_tokens", "max_completion_tokens", "n
                "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "reasoning_effort")
 
 
-def session_key(request: Request, body: dict[str, Any]) -> str | None:
+def session_key(headers: Headers, body: dict[str, Any]) -> str | None:
     """The conversation a request names, in order of trust; never ``user``, which names a person."""
-    header = request.headers.get(SESSION_HEADER)
+    header = headers.get(SESSION_HEADER)
     if header:
         return f"session:{header}"
     if isinstance(body.get("prompt_cache_key"), str) and body["prompt_cache_key"]:
@@ -51,14 +53,14 @@ def session_key(request: Request, body: dict[str, Any]) -> str | None:
     return None
 
 
-def choose_model(request: Request, principal: Principal, parsed: ChatCompletionRequest,
+def choose_model(ctx: RequestContext, principal: Principal, parsed: ChatCompletionRequest,
                  body: dict[str, Any]) -> str:
     """Routing's first steps (alias, defaults, override header): the name this request stands for replaces its
     ``model``, where agent profiles and ``open_exchange`` read it."""
-    gateway = request.app.state.gateway
-    request.state.requested_model = parsed.model or None
+    gateway = ctx.gateway
+    ctx.requested_model = parsed.model or None
     name = gateway.router.name_for(parsed.model or None, principal.caller(),
-                                   request.headers.get(gateway.settings.routing.override_header))
+                                   ctx.request.headers.get(gateway.settings.routing.override_header))
     parsed.model = body["model"] = name
     return name
 
@@ -127,25 +129,25 @@ class Exchange:
         )
 
 
-async def open_exchange(request: Request, principal: Principal, body: dict[str, Any], parsed: ChatCompletionRequest,
+async def open_exchange(ctx: RequestContext, principal: Principal, body: dict[str, Any], parsed: ChatCompletionRequest,
                         *, session_body: dict[str, Any] | None = None, session: str | None = None,
                         side: bool = False) -> Exchange:
     """Route the request and decide its trajectory (before the backend runs, so the id can go out in the
     headers). ``session_body`` is where session ids are read from when it is not the chat body itself;
     ``session`` is a key the surface found itself (the session header still comes first). A ``side`` request
     (a client's own title or summary request) gets a trajectory of its own, never stitched into its session's."""
-    gateway = request.app.state.gateway
+    gateway = ctx.gateway
     messages = body["messages"]
     prefix = hashing.prefix_hashes(messages)
-    session = session_key(request, session_body if session_body is not None else body) or session
+    session = session_key(ctx.request.headers, session_body if session_body is not None else body) or session
     anchor = prefix[hashing.anchor_index(messages)]
     # A canary draw keyed by the session, else by the conversation's opening, keeps a trajectory on one version.
     target = gateway.router.route(parsed.model, sticky=session or anchor)
-    log_fields = request.scope["state"]["log"]
-    log_fields.update(model=parsed.model, adapter=target.adapter.backend_name if target.adapter else None,
-                      backend=target.backend.name, stream=parsed.stream)
+    line = ctx.line
+    line.model, line.backend, line.stream = parsed.model, target.backend.name, parsed.stream
+    line.adapter = target.adapter.backend_name if target.adapter else None
     if target.canary:
-        log_fields["canary"] = target.model
+        line.canary = target.model
     if side:
         # Its own session key: the session's newest trajectory must stay the session's own.
         ref = TrajectoryRef(id=new_id(), seq=0, is_new=True, session_key=f"{session}:side" if session else None)
@@ -153,9 +155,8 @@ async def open_exchange(request: Request, principal: Principal, body: dict[str, 
         ref = await gateway.store.stitch(session_key=session, prefix=prefix, anchor=anchor, tenant=principal.tenant)
     else:
         ref = TrajectoryRef(id=new_id(), seq=0, is_new=True)
-    log_fields["trajectory_id"] = ref.id
-    requested = getattr(request.state, "requested_model", None)
-    return Exchange(principal, body, parsed, target, requested, ref, prefix, time.perf_counter())
+    line.trajectory_id = ref.id
+    return Exchange(principal, body, parsed, target, ctx.requested_model, ref, prefix, time.perf_counter())
 
 
 Statements = list[Statement]
@@ -166,45 +167,49 @@ def as_api_error(exc: BackendError, exchange: Exchange) -> APIError:
                     headers=exchange.headers)
 
 
-async def complete(request: Request, exchange: Exchange,
+async def complete(ctx: RequestContext, exchange: Exchange,
                    statements_for: Callable[[ChatResult], Statements] | None = None) -> ChatResult:
     """A non-streamed completion, guarded and committed (with ``statements_for(result)``) before it returns."""
     records: list[CallRecord] = []
 
     async def answer() -> ChatResult:
-        return await _guard(request, exchange, await exchange.backend.chat(exchange.chat_request()), records)
+        result = await exchange.backend.chat(exchange.chat_request())
+        if not exchange.body.get("tools"):  # nothing for the guard to check
+            records.append(exchange.record(status="ok", response=result.response, result_extras=result.extras))
+            return result
+        return await _guard(ctx, exchange, result, records)
 
     try:
         # Nobody waits for an answer once its client has gone: the backend's work is cancelled then.
-        result = await unless_disconnected(request.receive, answer())
+        result = await unless_disconnected(ctx.request.receive, answer())
     except BackendError as exc:
         records.append(exchange.record(status="error", error=exc.message))
-        await save(request, exchange, records)
+        await save(ctx, exchange, records)
         raise as_api_error(exc, exchange) from None
     except ClientDisconnect:
-        record_disconnect(request, exchange, [*records, exchange.record(
+        record_disconnect(ctx, exchange, [*records, exchange.record(
             status="client_disconnected", error="the client closed the connection before the answer")])
         raise
-    await save(request, exchange, records, statements_for(result) if statements_for else [])
-    account(request, exchange, records)
+    await save(ctx, exchange, records, statements_for(result) if statements_for else [])
+    account(ctx, exchange, records)
     return result
 
 
-async def open_stream(request: Request, exchange: Exchange) -> ChunkStream:
+async def open_stream(ctx: RequestContext, exchange: Exchange) -> ChunkStream:
     """Start a streamed completion; errors before the first chunk become ordinary HTTP errors."""
     try:
         return await exchange.backend.stream(exchange.chat_request())
     except BackendError as exc:
-        await save(request, exchange, [exchange.record(status="error", error=exc.message)])
+        await save(ctx, exchange, [exchange.record(status="error", error=exc.message)])
         raise as_api_error(exc, exchange) from None
 
 
-async def save(request: Request, exchange: Exchange, records: list[CallRecord],
+async def save(ctx: RequestContext, exchange: Exchange, records: list[CallRecord],
                statements: Statements | None = None) -> None:
     """Commit an exchange's calls (and statements with them); a 502 or 503 when they cannot be recorded."""
     if exchange.principal.capture and (records or statements):
         try:
-            await request.app.state.gateway.store.write(WriteOp(records=records, statements=statements or []))
+            await ctx.gateway.store.write(WriteOp(records=records, statements=statements or []))
         except RecordRejected as exc:
             # Nothing is answered that is not recorded; the other exchanges committed with it are stored.
             raise APIError(502, f"The exchange could not be recorded, so it is not answered: {exc}.",
@@ -213,21 +218,21 @@ async def save(request: Request, exchange: Exchange, records: list[CallRecord],
             raise store_unavailable(exchange.headers) from None
 
 
-def record_disconnect(request: Request, exchange: Exchange, records: list[CallRecord]) -> None:
+def record_disconnect(ctx: RequestContext, exchange: Exchange, records: list[CallRecord]) -> None:
     """Keep what a client that went away was sent (or nothing, but that it asked), in the background: nobody
     waits for this commit."""
-    request.scope["state"]["log"]["status_detail"] = "client_disconnected"
+    ctx.line.status_detail = "client_disconnected"
     if exchange.principal.capture:
-        gateway = request.app.state.gateway
+        gateway = ctx.gateway
         gateway.spawn(gateway.store.write(WriteOp(records=records)))
 
 
-async def _guard(request: Request, exchange: Exchange, result: ChatResult, records: list[CallRecord]) -> ChatResult:
+async def _guard(ctx: RequestContext, exchange: Exchange, result: ChatResult, records: list[CallRecord]) -> ChatResult:
     """Proxy mode: send invalid tool calls back to the model (up to the configured retries) before the
     client sees them; appends the record of every call made, the first included."""
     schemas = function_schemas(exchange.body.get("tools"))
     sent = exchange.body["messages"]
-    retries = request.app.state.gateway.settings.server.guard_retries
+    retries = ctx.gateway.settings.server.guard_retries
     for attempt in range(retries + 1):
         checked = guard.check_message(result.message, schemas) if schemas else []
         invalid = [c for c in checked if not c.valid]
@@ -237,45 +242,20 @@ async def _guard(request: Request, exchange: Exchange, result: ChatResult, recor
                                            checked, "retried" if retry else "returned")))
         if not retry:
             if invalid:
-                request.scope["state"]["log"]["invalid_tool_calls"] = len(invalid)
+                ctx.line.invalid_tool_calls = len(invalid)
             return result
         sent = guard.retry_messages(sent, result.message, checked)
         result = await exchange.backend.chat(exchange.chat_request({**exchange.body, "messages": sent}))
     return result
 
 
-def account(request: Request, exchange: Exchange, records: list[CallRecord]) -> None:
+def account(ctx: RequestContext, exchange: Exchange, records: list[CallRecord]) -> None:
     """The tokens of every call an exchange made (a guard's retries too), in the metrics and the request's log."""
     prompt = sum(r.prompt_tokens for r in records)
     completion = sum(r.completion_tokens for r in records)
-    request.app.state.gateway.metrics.count_tokens(exchange.parsed.model.partition("@")[0], prompt, completion)
+    ctx.gateway.metrics.count_tokens(exchange.parsed.model.partition("@")[0], prompt, completion)
     if prompt or completion:
-        request.scope["state"]["log"].update(prompt_tokens=prompt, completion_tokens=completion)
-
-
-def _split_tool_calls(chunk: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """(the chunk minus its tool-call parts, or None when nothing else is in it; a chunk of only those parts,
-    or None when it has none): the parts wait for the guard, the rest streams on."""
-    rest, parts = [], []
-    for choice in chunk.get("choices") or ():
-        delta = choice.get("delta") or {}
-        if "tool_calls" in delta:
-            parts.append({"index": choice.get("index", 0), "delta": {"tool_calls": delta["tool_calls"]},
-                          "finish_reason": None})
-        others = {k: v for k, v in delta.items() if k != "tool_calls"}
-        if others or choice.get("finish_reason"):
-            rest.append({**choice, "delta": others})
-    calls = {**chunk, "choices": parts} if parts else None
-    if not rest and chunk.get("choices"):
-        return None, calls
-    return {**chunk, "choices": rest}, calls
-
-
-def _tool_call_chunk(template: dict[str, Any], calls: list[dict[str, Any]]) -> dict[str, Any]:
-    deltas = [{"index": i, "id": c.get("id"), "type": "function", "function": c.get("function")}
-              for i, c in enumerate(calls)]
-    return {**{k: template[k] for k in ("id", "object", "created", "model") if k in template},
-            "choices": [{"index": 0, "delta": {"tool_calls": deltas}, "finish_reason": None}]}
+        ctx.line.prompt_tokens, ctx.line.completion_tokens = prompt, completion
 
 
 class EventTranslator(Protocol):
@@ -287,79 +267,77 @@ class EventTranslator(Protocol):
 
 
 class Relay:
-    """Relays a backend stream: chunks go out as they come, and what must wait for the commit is held.
-
-    The chunk that finishes the last choice, and any after it, are ``held``. With the client's ``tools`` on
-    a single-choice request, tool-call parts are held back until the guard has checked them (text still
-    streams); a retry contributes only its tool calls. The consumer iterates ``chunks()``, always calls
+    """Relays a backend stream: the I/O around a ``ChunkRelay`` (which chunks go now, which wait for the commit),
+    with the guard and the records once the stream has ended. The consumer iterates ``chunks()``, always calls
     ``close()`` (which records a client that went away), then ``commit()`` before sending ``held``.
     """
 
-    def __init__(self, request: Request, exchange: Exchange, stream: ChunkStream, *, include_usage: bool) -> None:
-        self.request = request
+    def __init__(self, ctx: RequestContext, exchange: Exchange, stream: ChunkStream, *, include_usage: bool) -> None:
+        self.ctx = ctx
         self.exchange = exchange
         self.stream = stream
-        self.include_usage = include_usage
-        self.guarded = exchange.parsed.n == 1 and bool(function_schemas(exchange.body.get("tools")))
-        self.acc = ChunkAccumulator()
-        self.held: list[dict[str, Any]] = []
-        self._call_parts: list[dict[str, Any]] = []  # tool-call fragments as the backend sent them
-        self.status, self.error, self.error_code, self.error_status = "ok", None, None, None
+        guarded = exchange.parsed.n == 1 and bool(function_schemas(exchange.body.get("tools")))
+        self.relay = ChunkRelay(exchange.parsed.n, guarded=guarded, include_usage=include_usage)
+        self.failure: BackendError | None = None
         self.records: list[CallRecord] = []
         self.finished = False
         self._ttft_ms: float | None = None
 
+    @property
+    def held(self) -> list[dict[str, Any]]:
+        return self.relay.held
+
+    @property
+    def status(self) -> str:
+        return "error" if self.failure is not None else "ok"
+
+    @property
+    def error(self) -> str | None:
+        return self.failure.message if self.failure is not None else None
+
+    @property
+    def error_code(self) -> str | None:
+        return self.failure.code if self.failure is not None else None
+
+    @property
+    def error_status(self) -> int | None:
+        return self.failure.status_code if self.failure is not None else None
+
+    def _completion(self) -> dict[str, Any] | None:
+        return self.relay.acc.completion() if self.relay.acc.chunks else None
+
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
-        gateway = self.request.app.state.gateway
         exchange = self.exchange
-        unfinished = exchange.parsed.n
-        template: dict[str, Any] = {}
         try:
             async for chunk in self.stream:
-                if not template:
-                    template = chunk
                 if self._ttft_ms is None and carries_output(chunk):
                     # Every backend's time to first token, measured here alone: the first generated output,
                     # never an empty role chunk a backend sends before it has computed anything.
                     self._ttft_ms = (time.perf_counter() - exchange.started) * 1000
-                    gateway.metrics.ttft.labels(exchange.parsed.model).observe(self._ttft_ms / 1000)
-                self.acc.add(chunk)
-                choices = chunk.get("choices")
-                if not choices and chunk.get("usage") and not self.include_usage:
-                    continue
-                unfinished -= sum(1 for c in choices or () if c.get("finish_reason"))
-                if self.guarded:
-                    chunk, parts = _split_tool_calls(chunk)
-                    if parts is not None:
-                        self._call_parts.append(parts)
-                    if chunk is None:
-                        continue
-                if self.held or unfinished <= 0 or not choices:
-                    self.held.append(chunk)
-                else:
-                    yield chunk
+                    self.ctx.gateway.metrics.ttft.labels(exchange.parsed.model).observe(self._ttft_ms / 1000)
+                out = self.relay.feed(chunk)
+                if out is not None:
+                    yield out
         except BackendError as exc:
-            self.status, self.error, self.error_code, self.error_status = (
-                "error", exc.message, exc.code, exc.status_code)
-        self.records = [exchange.record(status=self.status, response=self.acc.completion() if self.acc.chunks
-                                        else None, error=self.error, result_extras=self.stream.extras,
-                                        ttft_ms=self._ttft_ms)]
-        if self.guarded and self.status == "ok":
-            first = ChatResult(response=self.acc.completion(), extras=self.stream.extras)
-            records: list[CallRecord] = []
-            try:
-                result = await _guard(self.request, exchange, first, records)
-                if result is first:  # checked and passed: the fragments go out as the backend sent them
-                    self.held[:0] = self._call_parts
-                elif calls := result.message.get("tool_calls"):  # a retry's calls, whole
-                    self.held.insert(0, _tool_call_chunk(template, calls))
-            except BackendError as exc:
-                self.status, self.error, self.error_code, self.error_status = (
-                    "error", exc.message, exc.code, exc.status_code)
-                records.append(exchange.record(status="error", error=exc.message))
-            records[0].ttft_ms = self._ttft_ms
-            self.records = records
+            self.failure = exc
+        self.records = [exchange.record(status=self.status, response=self._completion(), error=self.error,
+                                        result_extras=self.stream.extras, ttft_ms=self._ttft_ms)]
+        if self.relay.guarded and self.failure is None:
+            await self._guard()
         self.finished = True
+
+    async def _guard(self) -> None:
+        first = ChatResult(response=self.relay.acc.completion(), extras=self.stream.extras)
+        records: list[CallRecord] = []
+        try:
+            result = await _guard(self.ctx, self.exchange, first, records)
+            # Checked and passed: the fragments go out as the backend sent them; else a retry's calls, whole.
+            self.relay.release_calls(None if result is first else result.message.get("tool_calls") or [])
+        except BackendError as exc:
+            self.failure = exc
+            records.append(self.exchange.record(status="error", error=exc.message))
+        records[0].ttft_ms = self._ttft_ms
+        self.records = records
 
     async def translated(self, events: EventTranslator) -> AsyncIterator[bytes]:
         """A translated stream's live part: the opening events, then each chunk's events as it comes; the relay is
@@ -378,13 +356,13 @@ class Relay:
         if self.finished:
             return
         await self.stream.aclose()
-        record_disconnect(self.request, self.exchange, [self.exchange.record(
-            status="client_disconnected", response=self.acc.completion() if self.acc.chunks else None,
+        record_disconnect(self.ctx, self.exchange, [self.exchange.record(
+            status="client_disconnected", response=self._completion(),
             error="the client closed the connection mid-stream", result_extras=self.stream.extras,
             ttft_ms=self._ttft_ms)])
 
     async def commit(self, statements: Statements | None = None) -> None:
-        account(self.request, self.exchange, self.records)
+        account(self.ctx, self.exchange, self.records)
         if self.status == "error":
-            self.request.app.state.gateway.metrics.errors.labels("backend_error").inc()
-        await save(self.request, self.exchange, self.records, statements)
+            self.ctx.gateway.metrics.errors.labels("backend_error").inc()
+        await save(self.ctx, self.exchange, self.records, statements)

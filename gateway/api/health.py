@@ -5,22 +5,22 @@ from __future__ import annotations
 from contextlib import suppress
 
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.context import RequestContext
 from gateway.errors import APIError
 
 
-async def healthz(request: Request) -> Response:
-    gateway = request.app.state.gateway
+async def healthz(ctx: RequestContext) -> Response:
+    gateway = ctx.gateway
     return JSONResponse({"status": "ok", "models": sorted(gateway.model_map),
                          "store_queue_depth": gateway.store.queue_depth,
                          "adapters": gateway.adapter_manager.loaded(),
                          "backends": gateway.adapter_manager.health})
 
 
-async def metrics(request: Request) -> Response:
-    gateway = request.app.state.gateway
+async def metrics(ctx: RequestContext) -> Response:
+    request, gateway = ctx.request, ctx.gateway
     # [server] metrics_auth: "open" (scrapers on a private network), "key" (any API key), "admin" (the admin key).
     mode = gateway.settings.server.metrics_auth
     principal = None

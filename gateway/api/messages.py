@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from gateway.agent.service import AGENT_PREFIX
@@ -42,6 +42,7 @@ from gateway.api.exchange import (
 from gateway.auth import Principal
 from gateway.backends.anthropic import AnthropicBackend, EventStream
 from gateway.backends.base import BackendError
+from gateway.context import RequestContext
 from gateway.errors import APIError
 from gateway.protocol.anthropic import (
     MessageAccumulator,
@@ -86,8 +87,8 @@ class _Request:
     dropped: list[str]
 
 
-async def _read(request: Request, *, counting: bool = False) -> _Request:
-    gateway = request.app.state.gateway
+async def _read(ctx: RequestContext, *, counting: bool = False) -> _Request:
+    request, gateway = ctx.request, ctx.gateway
     principal = await gateway.auth.authenticate(request.headers)
     raw = await read_body(request, gateway.settings.server.max_body_bytes)
     body = parse_json(raw)
@@ -98,23 +99,22 @@ async def _read(request: Request, *, counting: bool = False) -> _Request:
     # Routed before the chat checks: a request passed through is never refused by chat completions' rules.
     parsed = ChatCompletionRequest.model_construct(model=chat_body.get("model") or "", messages=chat_body["messages"],
                                                    stream=bool(body.get("stream")), n=1)
-    model = choose_model(request, principal, parsed, chat_body)
+    model = choose_model(ctx, principal, parsed, chat_body)
     if model.startswith(AGENT_PREFIX):
         raise APIError(400, f"'{model}' is an agent profile; agent profiles are served on /v1/chat/completions "
                             "and /v1/responses, not on the Messages API.", param="model")
     return _Request(raw, body, principal, model, parsed, chat_body, translated.dropped)
 
 
-async def create_message(request: Request) -> Response:
-    gateway = request.app.state.gateway
-    asked = await _read(request)
+async def create_message(ctx: RequestContext) -> Response:
+    request, gateway = ctx.request, ctx.gateway
+    asked = await _read(ctx)
     side = side_request_kind(asked.body)
     sid = session_id(asked.body, request.headers)
-    log_fields = request.scope["state"]["log"]
     labels: dict[str, Any] = {"api": API}
     if side:
         labels["purpose"] = side
-        log_fields["side_request"] = side
+        ctx.line.side_request = side
     backend = gateway.router.backend_for(asked.model)
     passthrough = isinstance(backend, AnthropicBackend)
     if not passthrough:
@@ -125,30 +125,29 @@ async def create_message(request: Request) -> Response:
         asked.parsed = validate_chat_request(asked.chat_body)
         asked.parsed.model = asked.model
         if asked.dropped:
-            labels["dropped"] = asked.dropped
-            log_fields["dropped"] = asked.dropped
+            labels["dropped"] = ctx.line.dropped = asked.dropped
     # Claude Code's session id: a session header, when sent, still comes first.
-    exchange = await open_exchange(request, asked.principal, asked.chat_body, asked.parsed,
+    exchange = await open_exchange(ctx, asked.principal, asked.chat_body, asked.parsed,
                                    session_body={}, session=f"claude:{sid}" if sid else None, side=bool(side))
     exchange.labels = labels
     exchange.max_tokens_ceiling = True
     if isinstance(exchange.backend, AnthropicBackend):
-        return await _pass_through(request, exchange, asked, exchange.backend)
-    return await _translated(request, exchange, asked)
+        return await _pass_through(ctx, exchange, asked, exchange.backend)
+    return await _translated(ctx, exchange, asked)
 
 
 # -- translated to a chat backend -------------------------------------------------------------------------------
 
-async def _translated(request: Request, exchange: Exchange, asked: _Request) -> Response:
+async def _translated(ctx: RequestContext, exchange: Exchange, asked: _Request) -> Response:
     message_id = f"msg_{new_id().lower()}"
     model = str(asked.body["model"])
     stops = asked.body.get("stop_sequences")
     if not asked.parsed.stream:
-        result = await complete(request, exchange)
+        result = await complete(ctx, exchange)
         message = chat_to_message(result.response, message_id=message_id, model=model, stop_sequences=stops)
         return json_response(message, headers=exchange.headers)
-    upstream = await open_stream(request, exchange)
-    relay = Relay(request, exchange, upstream, include_usage=True)
+    upstream = await open_stream(ctx, exchange)
+    relay = Relay(ctx, exchange, upstream, include_usage=True)
     events = MessageStream(message_id=message_id, model=model, stop_sequences=stops)
     return EventStreamResponse(_stream(relay, events), headers=exchange.headers)
 
@@ -191,33 +190,35 @@ def _upstream_failure(status: int, body: bytes) -> str:
         return f"upstream returned {status}: {body[:200].decode('utf-8', 'replace')}"
 
 
-async def _pass_through(request: Request, exchange: Exchange, asked: _Request, backend: AnthropicBackend) -> Response:
+async def _pass_through(ctx: RequestContext, exchange: Exchange, asked: _Request,
+                        backend: AnthropicBackend) -> Response:
+    request = ctx.request
     query = request.url.query
     if not asked.body.get("stream"):
         try:
             reply = await unless_disconnected(request.receive, backend.send(MESSAGES_PATH, asked.raw, request.headers,
                                                                              query=query))
         except BackendError as exc:
-            await save(request, exchange, [exchange.record(status="error", error=exc.message)])
+            await save(ctx, exchange, [exchange.record(status="error", error=exc.message)])
             raise as_api_error(exc, exchange) from None
         except ClientDisconnect:
-            record_disconnect(request, exchange, [exchange.record(
+            record_disconnect(ctx, exchange, [exchange.record(
                 status="client_disconnected", error="the client closed the connection before the answer")])
             raise
         record = _recorded(exchange, reply.status, reply.body)
-        await save(request, exchange, [record])
-        account(request, exchange, [record])
+        await save(ctx, exchange, [record])
+        account(ctx, exchange, [record])
         return Response(reply.body, status_code=reply.status, headers=_answer_headers(reply.headers, exchange.headers))
     try:
         upstream = await backend.open_stream(MESSAGES_PATH, asked.raw, request.headers, query=query)
     except BackendError as exc:
-        await save(request, exchange, [exchange.record(status="error", error=exc.message)])
+        await save(ctx, exchange, [exchange.record(status="error", error=exc.message)])
         raise as_api_error(exc, exchange) from None
     if upstream.status != 200:
         body = b"".join([part async for part in upstream])
-        await save(request, exchange, [exchange.record(status="error", error=_upstream_failure(upstream.status, body))])
+        await save(ctx, exchange, [exchange.record(status="error", error=_upstream_failure(upstream.status, body))])
         return Response(body, status_code=upstream.status, headers=_answer_headers(upstream.headers, exchange.headers))
-    return EventStreamResponse(_relay_events(request, exchange, upstream),
+    return EventStreamResponse(_relay_events(ctx, exchange, upstream),
                                headers=_answer_headers(upstream.headers, exchange.headers))
 
 
@@ -238,7 +239,7 @@ def _record_message(exchange: Exchange, message: dict[str, Any], *, status: str 
     return exchange.record(status=status, response=completion, error=error)
 
 
-async def _relay_events(request: Request, exchange: Exchange, upstream: EventStream) -> AsyncIterator[bytes]:
+async def _relay_events(ctx: RequestContext, exchange: Exchange, upstream: EventStream) -> AsyncIterator[bytes]:
     """The upstream's events, byte for byte, as they come; ``message_delta`` and what follows it only once the call
     is recorded."""
     started = time.perf_counter()
@@ -272,7 +273,7 @@ async def _relay_events(request: Request, exchange: Exchange, upstream: EventStr
         if not finished:
             await upstream.aclose()
             message = acc.message
-            record_disconnect(request, exchange, [
+            record_disconnect(ctx, exchange, [
                 _record_message(exchange, message, status="client_disconnected",
                                 error="the client closed the connection mid-stream") if message else
                 exchange.record(status="client_disconnected", error="the client closed the connection mid-stream")])
@@ -287,21 +288,21 @@ async def _relay_events(request: Request, exchange: Exchange, upstream: EventStr
     record.ttft_ms = ttft
     record.stream = True
     try:
-        await save(request, exchange, [record])
+        await save(ctx, exchange, [record])
     except APIError as exc:  # not recorded: the finishing events are not sent
         yield encode_named_event("error", error_body(exc.status_code, exc.message))
         return
-    account(request, exchange, [record])
+    account(ctx, exchange, [record])
     yield b"".join(held)
 
 
 # -- counting ----------------------------------------------------------------------------------------------------
 
-async def count_tokens(request: Request) -> Response:
+async def count_tokens(ctx: RequestContext) -> Response:
     """Exact where the backend has a tokenizer (or is an Anthropic upstream, which counts); otherwise an estimate,
     marked as one: ``"estimated": true`` and an ``x-harness-token-count: estimate`` header."""
-    gateway = request.app.state.gateway
-    asked = await _read(request, counting=True)
+    request, gateway = ctx.request, ctx.gateway
+    asked = await _read(ctx, counting=True)
     backend = gateway.router.backend_for(asked.model)
     if isinstance(backend, AnthropicBackend):
         try:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api.common import json_response
+from gateway.context import RequestContext
 from gateway.errors import model_not_found
 from gateway.routing import is_pattern
 
@@ -39,14 +39,14 @@ def _cards(gateway: Any) -> list[dict[str, Any]]:
     return cards
 
 
-async def list_models(request: Request) -> Response:
-    gateway = request.app.state.gateway
+async def list_models(ctx: RequestContext) -> Response:
+    request, gateway = ctx.request, ctx.gateway
     await gateway.auth.authenticate(request.headers)
     return json_response({"object": "list", "data": _cards(gateway)})
 
 
-async def get_model(request: Request) -> Response:
-    gateway = request.app.state.gateway
+async def get_model(ctx: RequestContext) -> Response:
+    request, gateway = ctx.request, ctx.gateway
     await gateway.auth.authenticate(request.headers)
     model = request.path_params["model"]
     for card in _cards(gateway):

@@ -14,12 +14,12 @@ from typing import Any
 import orjson
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
-from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.agent.service import LIMIT_KEYS
 from gateway.bot.signing import NONCE, SIGNATURE, TIMESTAMP
+from gateway.context import RequestContext
 from gateway.protocol.agent_runs import AgentRunRequest
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.protocol.responses.validation import ResponsesRequest
@@ -165,8 +165,8 @@ def document(routes: list[BaseRoute]) -> dict[str, Any]:
             "security": [{"bearer": []}, {}]}
 
 
-async def openapi_json(request: Request) -> Response:
-    state = request.app.state
+async def openapi_json(ctx: RequestContext) -> Response:
+    state = ctx.request.app.state
     if getattr(state, "openapi", None) is None:  # the routes are fixed once the app is built
-        state.openapi = orjson.dumps(document(request.app.routes))
+        state.openapi = orjson.dumps(document(ctx.request.app.routes))
     return Response(state.openapi, media_type="application/json")

@@ -12,7 +12,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.agent.service import AGENT_PREFIX
@@ -20,6 +19,7 @@ from gateway.api.common import json_response, read_json_body
 from gateway.api.exchange import TRAJECTORY_HEADER, Relay, choose_model, complete, open_exchange, open_stream
 from gateway.auth import Principal
 from gateway.backends.base import ChatResult
+from gateway.context import RequestContext
 from gateway.errors import APIError
 from gateway.protocol.chat import validate_chat_request
 from gateway.protocol.responses import (
@@ -68,8 +68,8 @@ class _Kept:
             await store.write(WriteOp(statements=[self._statement(response, None)]))
 
 
-async def create_response(request: Request) -> Response:
-    gateway = request.app.state.gateway
+async def create_response(ctx: RequestContext) -> Response:
+    request, gateway = ctx.request, ctx.gateway
     principal = await gateway.auth.authenticate(request.headers)
     body = await read_json_body(request, gateway.settings.server.max_body_bytes)
     validate_responses_request(body)
@@ -91,12 +91,12 @@ async def create_response(request: Request) -> Response:
     response_id = f"resp_{new_id().lower()}"
     created_at = int(time.time())
     if tool_map.dropped:
-        request.scope["state"]["log"]["dropped_tools"] = [t.get("type") for t in tool_map.dropped]
+        ctx.line.dropped_tools = [t.get("type") for t in tool_map.dropped]
 
-    if choose_model(request, principal, parsed, chat_body).startswith(AGENT_PREFIX):
-        return await _agent_response(request, principal, body, chat_body, tool_map, response_id, created_at)
+    if choose_model(ctx, principal, parsed, chat_body).startswith(AGENT_PREFIX):
+        return await _agent_response(ctx, principal, body, chat_body, tool_map, response_id, created_at)
 
-    exchange = await open_exchange(request, principal, chat_body, parsed, session_body=body)
+    exchange = await open_exchange(ctx, principal, chat_body, parsed, session_body=body)
     kept = _Kept(body, chat_body, tool_map, exchange.ref.id, principal)
     if not stream:
         def statements_for(result: ChatResult) -> list[Statement]:
@@ -106,13 +106,13 @@ async def create_response(request: Request) -> Response:
             return chat_to_response(completion, response_id=response_id, request=body, tool_map=tool_map,
                                     created_at=created_at)
 
-        result = await complete(request, exchange, statements_for)
+        result = await complete(ctx, exchange, statements_for)
         response = _translate(result.response)
         await kept.without_capture(gateway.store, response)
         return json_response(response, headers=exchange.headers)
 
-    upstream = await open_stream(request, exchange)
-    relay = Relay(request, exchange, upstream, include_usage=True)
+    upstream = await open_stream(ctx, exchange)
+    relay = Relay(ctx, exchange, upstream, include_usage=True)
     events = ResponseStream(response_id=response_id, request=body, tool_map=tool_map, created_at=created_at)
     return EventStreamResponse(_stream(relay, events, kept, gateway.store), headers=exchange.headers)
 
@@ -137,16 +137,15 @@ async def _stream(relay: Relay, events: ResponseStream, kept: _Kept, store: Traj
     yield encode_named_events(tail)
 
 
-async def _agent_response(request: Request, principal: Principal, body: dict[str, Any], chat_body: dict[str, Any],
+async def _agent_response(ctx: RequestContext, principal: Principal, body: dict[str, Any], chat_body: dict[str, Any],
                           tool_map: ToolMap, response_id: str, created_at: int) -> Response:
     """An agent profile behind the Responses API: the run goes to completion, then answers as one response
     (streamed as the events of that answer when asked), with the ``harness`` object on it."""
-    gateway = request.app.state.gateway
+    gateway = ctx.gateway
     profile = chat_body["model"][len(AGENT_PREFIX):]
     messages = [m for m in chat_body["messages"] if m.get("role") != "system"] or chat_body["messages"]
     loop, recorder = gateway.agents.prepare(profile, messages, principal)
-    request.scope["state"]["log"].update(model=chat_body["model"], backend=loop.backend.name,
-                                         trajectory_id=loop.state.run_id)
+    ctx.line.model, ctx.line.backend, ctx.line.trajectory_id = chat_body["model"], loop.backend.name, loop.state.run_id
     await recorder.start(loop.state)
     state = await loop.run()
     harness = state.harness()
@@ -185,8 +184,8 @@ async def _keep_alone(store: TrajectoryStore, kept: _Kept, response: dict[str, A
     await kept.without_capture(store, response)
 
 
-async def get_response(request: Request) -> Response:
-    gateway = request.app.state.gateway
+async def get_response(ctx: RequestContext) -> Response:
+    request, gateway = ctx.request, ctx.gateway
     principal = await gateway.auth.authenticate(request.headers)
     response_id = request.path_params["response_id"]
     found = await stored_responses.get(gateway.store, response_id, tenant=principal.tenant, all_tenants=principal.admin)

@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api.common import json_response, read_json_body
+from gateway.context import RequestContext
 from gateway.errors import APIError
 from replay import feedback as feedback_log
 
@@ -23,8 +24,8 @@ def _limit(request: Request) -> int:
     return int(raw)
 
 
-async def list_own(request: Request) -> Response:
-    gateway = request.app.state.gateway
+async def list_own(ctx: RequestContext) -> Response:
+    request, gateway = ctx.request, ctx.gateway
     principal = await gateway.auth.authenticate(request.headers)
     rows = await gateway.store.list_trajectories(
         tenant=principal.tenant, all_tenants=principal.admin, limit=_limit(request),
@@ -32,39 +33,39 @@ async def list_own(request: Request) -> Response:
     return json_response({"object": "list", "data": [t.summary() for t in rows]})
 
 
-async def show_own(request: Request) -> Response:
-    gateway = request.app.state.gateway
+async def show_own(ctx: RequestContext) -> Response:
+    request, gateway = ctx.request, ctx.gateway
     principal = await gateway.auth.authenticate(request.headers)
-    return await _show(request, tenant=principal.tenant, all_tenants=principal.admin)
+    return await _show(ctx, tenant=principal.tenant, all_tenants=principal.admin)
 
 
-async def list_all(request: Request) -> Response:
-    gateway = request.app.state.gateway
+async def list_all(ctx: RequestContext) -> Response:
+    request, gateway = ctx.request, ctx.gateway
     await gateway.auth.require_admin(request.headers)
     rows = await gateway.store.list_trajectories(all_tenants=True, limit=_limit(request),
                                                  before=request.query_params.get("before"))
     return json_response({"object": "list", "data": [t.summary() for t in rows]})
 
 
-async def show_any(request: Request) -> Response:
-    gateway = request.app.state.gateway
+async def show_any(ctx: RequestContext) -> Response:
+    request, gateway = ctx.request, ctx.gateway
     await gateway.auth.require_admin(request.headers)
-    return await _show(request, tenant=None, all_tenants=True)
+    return await _show(ctx, tenant=None, all_tenants=True)
 
 
-async def _show(request: Request, *, tenant: str | None, all_tenants: bool) -> Response:
-    tid = request.path_params["trajectory_id"]
-    found = await request.app.state.gateway.store.get_trajectory(tid, tenant=tenant, all_tenants=all_tenants)
+async def _show(ctx: RequestContext, *, tenant: str | None, all_tenants: bool) -> Response:
+    tid = ctx.request.path_params["trajectory_id"]
+    found = await ctx.gateway.store.get_trajectory(tid, tenant=tenant, all_tenants=all_tenants)
     if found is None:
         raise APIError(404, f"No trajectory '{tid}'.", code="not_found")
     return json_response(found.to_dict())
 
 
-async def feedback(request: Request) -> Response:
+async def feedback(ctx: RequestContext) -> Response:
     """``POST /v1/trajectories/{id}/feedback``: a thumbs up or down (``rating``), or a ``score`` in [0, 1], with an
     optional ``label`` and ``comment``, for the whole trajectory or one step (``model_call_seq``). Stored as a
     feedback row of source ``user``: the reward engine's ``task_success`` where no verifier has spoken."""
-    gateway = request.app.state.gateway
+    request, gateway = ctx.request, ctx.gateway
     principal = await gateway.auth.authenticate(request.headers)
     body = await read_json_body(request, FEEDBACK_LIMIT)
     row = feedback_row(body)

@@ -26,6 +26,7 @@ from gateway.bot.platform import DeliveryError, Incoming
 from gateway.bot.service import BotService
 from gateway.bot.signing import SignatureError, signed_headers, verify
 from gateway.config import BotSettings
+from gateway.context import access_line
 from gateway.errors import APIError
 from replay import bot_messages, keys
 from tools.net import guarded_client
@@ -88,7 +89,8 @@ class WebhookPlatform:
                            headers={"Retry-After": str(limited[1])})
         message = await self.bot.accept(incoming)
         assert message is not None  # the webhook sends no external ids
-        request.scope["state"]["log"].update(bot_message=message["id"], conversation_id=incoming.conversation_id)
+        line = access_line(request.scope)
+        line.bot_message, line.conversation_id = message["id"], incoming.conversation_id
         turn = self.bot.answer(message)
         done, _ = await asyncio.wait({turn}, timeout=self.settings.sync_timeout_seconds)
         if turn in done and turn.result()["status"] == bot_messages.ANSWERED:

@@ -28,6 +28,7 @@ from gateway.bot import wecom_crypto
 from gateway.bot.platform import DeliveryError, Incoming
 from gateway.bot.service import BotService
 from gateway.config import ConfigError, WeComSettings
+from gateway.context import access_line
 from gateway.errors import APIError
 from replay import bot_messages
 from tools.spec import ToolError
@@ -153,7 +154,8 @@ class WeComPlatform:
                                                 text=message.get("Content", ""), external_id=msg_id))
         if stored is None:  # a retry that raced the original
             return Response(b"")
-        request.scope["state"]["log"].update(bot_message=stored["id"], conversation_id=user)
+        line = access_line(request.scope)
+        line.bot_message, line.conversation_id = stored["id"], user
         self.bot.reply_later(self.bot.answer(stored))
         return self._passive(user, self.settings.ack_text) if self.settings.ack_text else Response(b"")
 

@@ -394,3 +394,74 @@ class ChunkAccumulator:
         if self.usage:
             out["usage"] = self.usage
         return out
+
+
+def split_tool_calls(chunk: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(the chunk minus its tool-call parts, or None when nothing else is in it; a chunk of only those parts,
+    or None when it has none): the parts wait for the guard, the rest streams on."""
+    rest, parts = [], []
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if "tool_calls" in delta:
+            parts.append({"index": choice.get("index", 0), "delta": {"tool_calls": delta["tool_calls"]},
+                          "finish_reason": None})
+        others = {k: v for k, v in delta.items() if k != "tool_calls"}
+        if others or choice.get("finish_reason"):
+            rest.append({**choice, "delta": others})
+    calls = {**chunk, "choices": parts} if parts else None
+    if not rest and chunk.get("choices"):
+        return None, calls
+    return {**chunk, "choices": rest}, calls
+
+
+def tool_call_chunk(template: dict[str, Any], calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """One chunk carrying whole tool calls (a guard's retry's), framed like the stream's other chunks."""
+    deltas = [{"index": i, "id": c.get("id"), "type": "function", "function": c.get("function")}
+              for i, c in enumerate(calls)]
+    return {**{k: template[k] for k in ("id", "object", "created", "model") if k in template},
+            "choices": [{"index": 0, "delta": {"tool_calls": deltas}, "finish_reason": None}]}
+
+
+class ChunkRelay:
+    """Which chunks of a backend's stream go out as they come and which wait: fed chunk by chunk, no I/O.
+
+    The chunk that finishes the last of ``n`` choices, and any after it, are ``held`` until the exchange is
+    recorded. When ``guarded`` (the client's tools on a single choice), tool-call parts are kept in ``call_parts``
+    until the guard has checked them; text still streams. Usage chunks go out only to a client that asked."""
+
+    def __init__(self, n: int, *, guarded: bool, include_usage: bool) -> None:
+        self.guarded = guarded
+        self.include_usage = include_usage
+        self.acc = ChunkAccumulator()
+        self.held: list[dict[str, Any]] = []
+        self.call_parts: list[dict[str, Any]] = []
+        self.template: dict[str, Any] = {}  # the first chunk: how a chunk of this stream is framed
+        self._unfinished = n
+
+    def feed(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        """The chunk to send now (maybe less its tool-call parts), or None."""
+        if not self.template:
+            self.template = chunk
+        self.acc.add(chunk)
+        choices = chunk.get("choices")
+        if not choices and chunk.get("usage") and not self.include_usage:
+            return None
+        self._unfinished -= sum(1 for c in choices or () if c.get("finish_reason"))
+        if self.guarded:
+            rest, parts = split_tool_calls(chunk)
+            if parts is not None:
+                self.call_parts.append(parts)
+            if rest is None:
+                return None
+            chunk = rest
+        if self.held or self._unfinished <= 0 or not choices:
+            self.held.append(chunk)
+            return None
+        return chunk
+
+    def release_calls(self, retried_calls: list[dict[str, Any]] | None) -> None:
+        """Once the guard has spoken: the parts as the backend sent them, or a retry's calls whole, go first."""
+        if retried_calls is None:
+            self.held[:0] = self.call_parts
+        elif retried_calls:
+            self.held.insert(0, tool_call_chunk(self.template, retried_calls))

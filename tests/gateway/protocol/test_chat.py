@@ -1,7 +1,7 @@
 import pytest
 
 from gateway.errors import APIError
-from gateway.protocol.chat import ChunkAccumulator, validate_chat_request
+from gateway.protocol.chat import ChunkAccumulator, ChunkRelay, validate_chat_request
 
 OK = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -116,3 +116,44 @@ def test_time_to_first_token_counts_generated_output_only() -> None:
     assert not carries_output(chunk({}, finish_reason="stop")) and not carries_output({"choices": [], "usage": {}})
     assert carries_output(chunk({"content": "Hi"})) and carries_output(chunk({"reasoning_content": "hm"}))
     assert carries_output(chunk({"tool_calls": [{"index": 0, "function": {"name": "f"}}]}))
+
+
+# -- ChunkRelay: which chunks of a stream go out at once and which wait ----------------------------------------
+
+def _chunk(delta: dict | None = None, finish: str | None = None, usage: dict | None = None) -> dict:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
+    return {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": choices,
+            **({"usage": usage} if usage else {})}
+
+
+def test_the_finishing_chunk_and_what_follows_wait_for_the_commit() -> None:
+    relay = ChunkRelay(1, guarded=False, include_usage=False)
+    sent = [relay.feed(c) for c in (_chunk({"role": "assistant", "content": ""}), _chunk({"content": "Hi"}),
+                                    _chunk({}, "stop"), _chunk(None, usage={"prompt_tokens": 3}))]
+    assert [s is not None for s in sent] == [True, True, False, False]
+    assert relay.held == [_chunk({}, "stop")]  # the usage chunk is not for a client that did not ask
+    assert relay.acc.completion()["usage"] == {"prompt_tokens": 3}
+    asked = ChunkRelay(1, guarded=False, include_usage=True)
+    for c in (_chunk({"content": "Hi"}, "stop"), _chunk(None, usage={"prompt_tokens": 3})):
+        asked.feed(c)
+    assert len(asked.held) == 2
+
+
+def test_guarded_tool_call_parts_wait_for_the_guard_and_text_streams() -> None:
+    relay = ChunkRelay(1, guarded=True, include_usage=False)
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "add", "arguments": ""}}
+    assert relay.feed(_chunk({"content": "Adding."})) == _chunk({"content": "Adding."})
+    assert relay.feed(_chunk({"tool_calls": [call]})) is None
+    assert relay.feed(_chunk({"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]})) is None
+    assert relay.feed(_chunk({}, "tool_calls")) is None
+    assert len(relay.call_parts) == 2 and relay.held == [_chunk({}, "tool_calls")]
+    relay.release_calls(None)  # checked and passed: the parts as the backend sent them, before the finish
+    assert [c["choices"][0]["delta"].get("tool_calls") is not None for c in relay.held] == [True, True, False]
+
+    retried = ChunkRelay(1, guarded=True, include_usage=False)
+    retried.feed(_chunk({"tool_calls": [call]}))
+    retried.feed(_chunk({}, "tool_calls"))
+    whole = [{"id": "call_2", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]
+    retried.release_calls(whole)  # a retry's calls, whole, in one chunk framed like the stream's
+    first = retried.held[0]
+    assert first["id"] == "c" and first["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
