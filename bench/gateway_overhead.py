@@ -487,13 +487,15 @@ def wait_until_quiet(threshold_pct: float, max_wait: float) -> float:
 
 
 def run_wrk(url: str, script: Path, load: Load, seconds: float, timeout_s: float,
-            server: Service | None = None, db_pid: int | None = None) -> dict[str, Any]:
+            server: Service | None = None, db_pid: int | None = None,
+            upstream_pid: int | None = None) -> dict[str, Any]:
     """One wrk run; with ``server``, the CPU its process group used meanwhile, and with ``db_pid`` (PostgreSQL's
-    postmaster) the database's apart."""
+    postmaster) the database's apart. ``upstream_pid``: an upstream of ours whose CPU is no other work's."""
     argv = ["wrk", f"-t{load.threads}", f"-c{load.concurrency}", f"-d{max(1, round(seconds))}s",
             f"--timeout={timeout_s:g}s", "--latency", "-s", str(script), url]
     cpu0 = group_cpu_seconds(server.proc.pid) if server else 0.0
     db0 = tree_cpu_seconds(db_pid) if db_pid else 0.0
+    up0 = tree_cpu_seconds(upstream_pid) if upstream_pid else 0.0
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     busy0 = machine_busy_seconds()
     out = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + timeout_s + 60,
@@ -502,6 +504,7 @@ def run_wrk(url: str, script: Path, load: Load, seconds: float, timeout_s: float
     ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     server_cpu = group_cpu_seconds(server.proc.pid) - cpu0 if server else None
     db_cpu = tree_cpu_seconds(db_pid) - db0 if db_pid else None
+    upstream_cpu = tree_cpu_seconds(upstream_pid) - up0 if upstream_pid else 0.0
     m = re.search(r"^BENCH_JSON (\{.*\})$", out.stdout, re.MULTILINE)
     if out.returncode != 0 or not m:
         raise BenchError(f"wrk failed ({out.returncode}): {' '.join(argv)}\n{out.stdout}\n{out.stderr}")
@@ -518,8 +521,8 @@ def run_wrk(url: str, script: Path, load: Load, seconds: float, timeout_s: float
                     "server_cpu_ms_per_request": round(1000 * server_cpu / raw["requests"], 4)
                     if raw["requests"] else None,
                     # Everything else the machine did meanwhile (other people's work, this script: small).
-                    "other_cpu_pct": round(max(0.0, 100 * (busy - server_cpu - (db_cpu or 0.0) - wrk_cpu)
-                                               / secs), 1) if secs else None})
+                    "other_cpu_pct": round(max(0.0, 100 * (busy - server_cpu - (db_cpu or 0.0) - wrk_cpu
+                                                           - upstream_cpu) / secs), 1) if secs else None})
     return {
         "concurrency": load.concurrency, "threads": load.threads, "duration_s": round(secs, 3),
         "requests": raw["requests"], "errors": errors,
@@ -545,6 +548,7 @@ class Target:
     db_pid: int | None = None
     workers: int = 1
     probe_headers: dict[str, str] | None = None  # set: streamed; time to first byte is probed during the load
+    upstream_pid: int | None = None  # the streaming upstream, ours: its CPU is not other work
 
     @property
     def base_url(self) -> str:
@@ -663,7 +667,7 @@ def measure(name: str, session: Any, loads: list[Load], args: argparse.Namespace
                 probe = FirstBytes(target.url, target.probe_headers) if target.probe_headers is not None else None
                 with probe or contextlib.nullcontext():
                     r = run_wrk(target.url, target.script, load, args.duration, args.wrk_timeout, target.server,
-                                target.db_pid)
+                                target.db_pid, target.upstream_pid)
                 if probe is not None:
                     r.update(probe.figures())
                 target.measured_requests += r["requests"]
@@ -707,7 +711,8 @@ def fixed_session(target: Target) -> Any:
 
 
 def gateway_session(services: Services, tmp: Path, mode: str, upstream_port: int, prefill: int,
-                    checks: dict[str, Any], pg: Any = None, *, stream: bool = False) -> Any:
+                    checks: dict[str, Any], pg: Any = None, *, stream: bool = False,
+                    upstream_pid: int | None = None) -> Any:
     """A fresh gateway on a fresh database per measurement, checked to capture (or not) as its mode says.
 
     PostgreSQL modes take a new database of the bench's cluster (``pg``) each time and drop it afterwards. A mode
@@ -751,7 +756,7 @@ def gateway_session(services: Services, tmp: Path, mode: str, upstream_port: int
                 script = wrk_script(tmp, name, auth, STREAM_REQUEST_BODY if stream else REQUEST_BODY)
                 target = Target(url, script, gw, db, measured_requests=1,
                                 db_pid=pg.postmaster_pid() if url_db else None, workers=spec.workers,
-                                probe_headers=auth if stream else None)
+                                probe_headers=auth if stream else None, upstream_pid=upstream_pid)
                 yield target
             recorded = count_rows(db)
             checks.setdefault(mode, []).append({"measured_requests": target.measured_requests,
@@ -850,21 +855,32 @@ class BenchPostgres:
         self.server.stop()
 
 
-def start_litellm(services: Services, tmp: Path, name: str, venv: Path, upstream_port: int, *,
-                  stream: bool = False) -> Target:
-    """A LiteLLM proxy (one worker, no database) in front of the upstream, checked to answer, for every round."""
-    port = free_port()
-    master_key = "sk-" + secrets.token_hex(20)
-    config = litellm_config(tmp, upstream_port, name)
-    svc = services.start(name, [str(venv / "bin" / "litellm"), "--config", str(config), "--host", "127.0.0.1",
-                                "--port", str(port), "--num_workers", "1"],
-                         tmp / name / "litellm.log", env=litellm_env(master_key), cwd=tmp / name)
-    wait_ready(svc, f"http://127.0.0.1:{port}/health/liveliness", 180)
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    auth = {"Authorization": f"Bearer {master_key}"}
-    check_chat(name, url, auth)
-    return Target(url, wrk_script(tmp, name, auth, STREAM_REQUEST_BODY if stream else REQUEST_BODY), svc,
-                  probe_headers=auth if stream else None)
+def litellm_session(services: Services, tmp: Path, name: str, venv: Path, upstream_port: int, *,
+                    stream: bool = False, upstream_pid: int | None = None) -> Any:
+    """A LiteLLM proxy (one worker, no database) in front of the upstream, started for each measurement and stopped
+    after it, as the gateways are: an idle LiteLLM left running spends CPU the other targets would share."""
+    runs = 0
+
+    @contextlib.contextmanager
+    def session() -> Iterator[Target]:
+        nonlocal runs
+        runs += 1
+        run = f"{name}-{runs}"
+        port = free_port()
+        master_key = "sk-" + secrets.token_hex(20)
+        config = litellm_config(tmp, upstream_port, run)
+        svc = services.start(run, [str(venv / "bin" / "litellm"), "--config", str(config), "--host", "127.0.0.1",
+                                   "--port", str(port), "--num_workers", "1"],
+                             tmp / run / "litellm.log", env=litellm_env(master_key), cwd=tmp / run)
+        with serving(services, svc):
+            wait_ready(svc, f"http://127.0.0.1:{port}/health/liveliness", 180)
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            auth = {"Authorization": f"Bearer {master_key}"}
+            check_chat(run, url, auth)
+            yield Target(url, wrk_script(tmp, run, auth, STREAM_REQUEST_BODY if stream else REQUEST_BODY), svc,
+                         probe_headers=auth if stream else None, upstream_pid=upstream_pid)
+
+    return session
 
 
 def wait_listening(svc: Service, port: int, timeout: float = 15) -> None:
@@ -1387,7 +1403,7 @@ def main(argv: list[str] | None = None) -> int:
             if mode in targets and mode not in skipped:
                 sessions[mode] = (gateway_session(services, tmp, mode, upstream_port, args.prefill, checks, pg), loads)
         if "litellm" in targets:
-            sessions["litellm"] = (fixed_session(start_litellm(services, tmp, "litellm", venv, upstream_port)), loads)
+            sessions["litellm"] = (litellm_session(services, tmp, "litellm", venv, upstream_port), loads)
         if any(t in targets for t in STREAM_TARGETS):
             stream_port = free_port()
             streamer = services.start("stream_upstream", [sys.executable, str(REPO / "bench" / "stream_upstream.py"),
@@ -1397,13 +1413,14 @@ def main(argv: list[str] | None = None) -> int:
             if "stream_direct" in targets:
                 sessions["stream_direct"] = (fixed_session(Target(
                     stream_url, wrk_script(tmp, "stream_direct", {}, STREAM_REQUEST_BODY), streamer,
-                    probe_headers={})), loads[-1:])
+                    probe_headers={})), loads[-1:])  # the upstream is the server here: its CPU is the server's
             if "stream_capture_on" in targets:
                 sessions["stream_capture_on"] = (gateway_session(services, tmp, "capture_on", stream_port, args.prefill,
-                                                                 checks, stream=True), loads[-1:])
+                                                                 checks, stream=True, upstream_pid=streamer.proc.pid),
+                                                 loads[-1:])
             if "stream_litellm" in targets:
-                sessions["stream_litellm"] = (fixed_session(start_litellm(
-                    services, tmp, "stream_litellm", venv, stream_port, stream=True)), loads[-1:])
+                sessions["stream_litellm"] = (litellm_session(services, tmp, "stream_litellm", venv, stream_port,
+                                                              stream=True, upstream_pid=streamer.proc.pid), loads[-1:])
 
         rounds: dict[str, list[dict[str, Any]]] = {}
         for rnd in range(args.rounds):
