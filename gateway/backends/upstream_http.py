@@ -113,11 +113,12 @@ class UpstreamClient:
         s = self._settings
         if self._session is None:
             # connect: waiting for a pooled connection and making one; sock_read: the longest silence in an answer.
+            # trust_env: HTTP(S)_PROXY and NO_PROXY are honoured, as they were with httpx.
             timeout = aiohttp.ClientTimeout(total=None, connect=s.connect_timeout, sock_connect=s.connect_timeout,
                                             sock_read=s.read_timeout)
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=s.max_connections, limit_per_host=0, ttl_dns_cache=300),
-                timeout=timeout, headers=self._headers, auto_decompress=True, trust_env=False,
+                timeout=timeout, headers=self._headers, auto_decompress=True, trust_env=True,
                 skip_auto_headers=("User-Agent",))
         return self._session
 
