@@ -9,7 +9,7 @@ the response is out; ``endpoint`` hands each route its ``RequestContext``. Every
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import wraps
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +47,7 @@ class AccessLine:
     conversation_id: str | None = None
 
     def fields(self) -> dict[str, Any]:
-        return {f.name: value for f in fields(self) if (value := getattr(self, f.name)) is not None}
+        return {name: value for name, value in vars(self).items() if value is not None}
 
 
 def open_line(scope: Scope) -> AccessLine:

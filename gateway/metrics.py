@@ -45,12 +45,12 @@ class Metrics:
     def count_tokens(self, model: str, prompt: int, completion: int) -> None:
         """Tokens a model call used: every call, a guard's retries and an agent's steps and summaries alike."""
         if prompt:
-            self.tokens.labels(model, "prompt").inc(prompt)
+            self.tokens.labels(_served(model), "prompt").inc(prompt)
         if completion:
-            self.tokens.labels(model, "completion").inc(completion)
+            self.tokens.labels(_served(model), "completion").inc(completion)
 
     def observe_request(self, route: str, status: int, model: str, backend: str, seconds: float) -> None:
-        model = model.partition("@")[0] if backend else ""
+        model = _served(model) if backend else ""
         self.requests.labels(route, str(status), model, backend).inc()
         self.latency.labels(route, model, backend).observe(seconds)
 
@@ -61,6 +61,11 @@ class Metrics:
     def render(self, *, private: bool = False) -> bytes:
         public = generate_latest(self.registry)
         return public + generate_latest(self._private) if private else public
+
+
+def _served(model: str) -> str:
+    """A model's series name: an adapter's versions come and go, so they are folded into its name."""
+    return model.partition("@")[0]
 
 
 class _PrefixCaches:

@@ -52,10 +52,9 @@ class EventStreamResponse(StreamingResponse):
     def __init__(self, frames: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> None:
         super().__init__(frames, media_type="text/event-stream",
                          headers={"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})})
-        self.frames = frames
 
     async def stream_response(self, send: Send) -> None:
         try:
             await super().stream_response(send)
         finally:
-            await self.frames.aclose()  # type: ignore[attr-defined]
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]

@@ -253,7 +253,7 @@ def account(ctx: RequestContext, exchange: Exchange, records: list[CallRecord]) 
     """The tokens of every call an exchange made (a guard's retries too), in the metrics and the request's log."""
     prompt = sum(r.prompt_tokens for r in records)
     completion = sum(r.completion_tokens for r in records)
-    ctx.gateway.metrics.count_tokens(exchange.parsed.model.partition("@")[0], prompt, completion)
+    ctx.gateway.metrics.count_tokens(exchange.parsed.model, prompt, completion)
     if prompt or completion:
         ctx.line.prompt_tokens, ctx.line.completion_tokens = prompt, completion
 
@@ -350,6 +350,10 @@ class Relay:
                     yield encode_named_events(out)
         finally:
             await self.close()
+
+    def held_events(self, events: EventTranslator) -> list[dict[str, Any]]:
+        """The held chunks as the translation's events: what goes out after the commit."""
+        return [event for chunk in self.held for event in events.feed(chunk)]
 
     async def close(self) -> None:
         """When the client went away mid-stream: stop the upstream and keep what was streamed."""

@@ -156,9 +156,7 @@ async def _stream(relay: Relay, events: MessageStream) -> AsyncIterator[bytes]:
     """Events as the chunks come; ``message_delta`` and ``message_stop`` only after the commit."""
     async for frames in relay.translated(events):
         yield frames
-    tail: list[dict[str, Any]] = []
-    for chunk in relay.held:
-        tail += events.feed(chunk)
+    tail = relay.held_events(events)
     if relay.status == "error":
         status = relay.error_status or 502
         tail += events.error(error_type_for(status), relay.error or "the backend failed")
@@ -173,14 +171,6 @@ async def _stream(relay: Relay, events: MessageStream) -> AsyncIterator[bytes]:
 
 
 # -- passed through to an Anthropic-native upstream ----------------------------------------------------------------
-
-_PASSED_HEADERS = ("content-type", "request-id", "retry-after")
-
-
-def _answer_headers(upstream: dict[str, str], own: dict[str, str]) -> dict[str, str]:
-    out = {k: v for k, v in upstream.items() if k in _PASSED_HEADERS or k.startswith("anthropic-ratelimit-")}
-    return {**out, **own}
-
 
 def _upstream_failure(status: int, body: bytes) -> str:
     try:
@@ -208,7 +198,7 @@ async def _pass_through(ctx: RequestContext, exchange: Exchange, asked: _Request
         record = _recorded(exchange, reply.status, reply.body)
         await save(ctx, exchange, [record])
         account(ctx, exchange, [record])
-        return Response(reply.body, status_code=reply.status, headers=_answer_headers(reply.headers, exchange.headers))
+        return Response(reply.body, status_code=reply.status, headers={**reply.headers, **exchange.headers})
     try:
         upstream = await backend.open_stream(MESSAGES_PATH, asked.raw, request.headers, query=query)
     except BackendError as exc:
@@ -217,9 +207,9 @@ async def _pass_through(ctx: RequestContext, exchange: Exchange, asked: _Request
     if upstream.status != 200:
         body = b"".join([part async for part in upstream])
         await save(ctx, exchange, [exchange.record(status="error", error=_upstream_failure(upstream.status, body))])
-        return Response(body, status_code=upstream.status, headers=_answer_headers(upstream.headers, exchange.headers))
+        return Response(body, status_code=upstream.status, headers={**upstream.headers, **exchange.headers})
     return EventStreamResponse(_relay_events(ctx, exchange, upstream),
-                               headers=_answer_headers(upstream.headers, exchange.headers))
+                               headers={**upstream.headers, **exchange.headers})
 
 
 def _recorded(exchange: Exchange, status: int, body: bytes) -> CallRecord:
@@ -309,7 +299,7 @@ async def count_tokens(ctx: RequestContext) -> Response:
             reply = await backend.send(COUNT_PATH, asked.raw, request.headers, query=request.url.query)
         except BackendError as exc:
             raise APIError(exc.status_code, exc.message, error_type=exc.error_type) from None
-        return Response(reply.body, status_code=reply.status, headers=_answer_headers(reply.headers, {}))
+        return Response(reply.body, status_code=reply.status, headers=reply.headers)
     counter = getattr(backend, "count_tokens", None)
     if callable(counter):
         try:

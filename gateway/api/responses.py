@@ -121,9 +121,7 @@ async def _stream(relay: Relay, events: ResponseStream, kept: _Kept, store: Traj
     """Events as the chunks come; ``response.completed`` (or ``response.failed``) only after the commit."""
     async for frames in relay.translated(events):
         yield frames
-    tail: list[dict[str, Any]] = []
-    for chunk in relay.held:
-        tail += events.feed(chunk)
+    tail = relay.held_events(events)
     if relay.status == "error":
         tail += events.fail(failure_code(relay.error_status, relay.error or ""), relay.error or "the backend failed")
     else:

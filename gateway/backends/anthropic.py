@@ -11,32 +11,20 @@ after that is handed back as it came, in Anthropic's shape, for the client to re
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
 
 import structlog
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
+from gateway.backends import upstream_http
 from gateway.backends.base import BackendError, ChatRequest, ChatResult, ChunkStream
-from gateway.backends.openai_compat import ERROR_BODY_BYTES
-from gateway.backends.upstream_http import Unreached, UpstreamClient, UpstreamResponse
-from gateway.config import BackendSettings
+from gateway.backends.upstream_http import ERROR_BODY_BYTES, HTTPBackend, Reply, Retry, UpstreamResponse
 
 log = structlog.get_logger()
 
 FORWARDED_HEADERS = ("anthropic-version", "anthropic-beta", "anthropic-dangerous-direct-browser-access",
                      "x-claude-code-session-id", "user-agent", "x-app")
 DEFAULT_VERSION = "2023-06-01"
-RETRY_STATUSES = frozenset({429, 500, 502, 503, 504, 529})
+RETRY_STATUSES = upstream_http.RETRY_STATUSES | {529}  # 529: Anthropic's "overloaded"
 _ANSWER_HEADERS = ("content-type", "request-id", "retry-after")
-
-
-@dataclass
-class Reply:
-    """A whole answer, as the upstream sent it."""
-
-    status: int
-    headers: dict[str, str]
-    body: bytes
 
 
 def _answer_headers(response: UpstreamResponse) -> dict[str, str]:
@@ -68,28 +56,7 @@ class EventStream:
         await self._response.aclose()
 
 
-class _Retryable(Exception):
-    def __init__(self, error: BackendError | None = None, response: UpstreamResponse | None = None,
-                 body: bytes = b"") -> None:
-        self.error = error
-        self.response = response
-        self.body = body
-
-
-class AnthropicBackend:
-    def __init__(self, settings: BackendSettings) -> None:
-        self.settings = settings
-        self.name = settings.name
-        self.models = list(settings.models)
-        self._client: UpstreamClient | None = None
-
-    async def start(self) -> None:
-        self._client = UpstreamClient(self.settings)
-
-    async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-
+class AnthropicBackend(HTTPBackend):
     def _headers(self, client: Mapping[str, str]) -> dict[str, str]:
         headers = {"content-type": "application/json", "anthropic-version": DEFAULT_VERSION}
         for name in FORWARDED_HEADERS:
@@ -102,7 +69,7 @@ class AnthropicBackend:
 
     async def send(self, path: str, body: bytes, headers: Mapping[str, str], *, query: str = "") -> Reply:
         response, content = await self._post(path, body, headers, query, stream=False)
-        return Reply(response.status, _answer_headers(response), content)
+        return Reply(response.status, response.reason, _answer_headers(response), content)
 
     async def open_stream(self, path: str, body: bytes, headers: Mapping[str, str], *, query: str = "") -> EventStream:
         response, refusal = await self._post(path, body, headers, query, stream=True)
@@ -110,42 +77,24 @@ class AnthropicBackend:
 
     async def _post(self, path: str, body: bytes, headers: Mapping[str, str], query: str,
                     *, stream: bool) -> tuple[UpstreamResponse, bytes]:
-        """The upstream's answer after retries; its whole body unless it is a stream that was accepted."""
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(self.settings.max_retries + 1),
-            wait=wait_exponential_jitter(multiplier=0.05, max=2.0, jitter=0.05),
-            retry=retry_if_exception_type(_Retryable),
-            reraise=True,
-        )
+        """The upstream's answer after retries; its whole body unless it is a stream that was accepted. Once the
+        retries run out, the upstream's own error goes back to the client as it came."""
         url = path + (f"?{query}" if query else "")
         sent = self._headers(headers)
-        try:
-            async for attempt in retrying:
-                with attempt:
-                    return await self._attempt(url, body, sent, stream)
-        except _Retryable as exc:
-            if exc.error is not None:
-                raise exc.error from None
-            assert exc.response is not None
-            return exc.response, exc.body  # retried enough: the upstream's own error goes back to the client
-        raise AssertionError("unreachable")
 
-    async def _attempt(self, url: str, body: bytes, headers: dict[str, str],
-                       stream: bool) -> tuple[UpstreamResponse, bytes]:
-        assert self._client is not None, "backend not started"
-        try:
-            response = await self._client.open("POST", url, body, headers)
+        async def attempt() -> tuple[UpstreamResponse, bytes]:
+            response = await self.client.open("POST", url, body, sent)
             if response.status >= 400:
                 content = await response.read(ERROR_BODY_BYTES, truncate=True)
                 if response.status in RETRY_STATUSES:
                     log.warning("backend.retry", backend=self.name, status=response.status)
-                    raise _Retryable(response=response, body=content)
+                    raise Retry(last=(response, content))
                 return response, content
             if stream:
                 return response, b""
             return response, await response.read(self.settings.max_response_bytes)
-        except Unreached as exc:
-            raise (_Retryable(exc.error) if exc.retry else exc.error) from None
+
+        return await self.with_retries(attempt)
 
     def _wrong_api(self) -> BackendError:
         return BackendError(f"backend {self.name!r} speaks the Anthropic Messages API: its models are served on "

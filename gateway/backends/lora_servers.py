@@ -8,14 +8,13 @@ in their probes. vLLM accepts runtime loading only when started with ``VLLM_ALLO
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from gateway.backends.base import AdapterNotLoaded, BackendError, BackendUnavailable, ChatRequest, ChatResult
 from gateway.backends.openai_compat import OpenAICompatBackend, UpstreamStream
-from gateway.backends.upstream_http import Unreached
+from gateway.backends.upstream_http import Reply, Unreached
 
 # An upstream's "no such adapter" answers; naming the adapter is what makes one about the adapter. SGLang:
 # "Got LoRA adapter that has never been loaded: X" (chat), "LoRA with name X does not exist" (unload),
@@ -24,19 +23,6 @@ from gateway.backends.upstream_http import Unreached
 _MISSING = re.compile(r"never been loaded|not (be )?(found|loaded)|does not exist|cannot be found|unknown|no such",
                       re.IGNORECASE)
 _ALREADY = re.compile(r"already (been )?(loaded|exists?)", re.IGNORECASE)
-
-
-@dataclass
-class _Answer:
-    """An answer to one of the server's own routes, read whole."""
-
-    status_code: int
-    reason: str
-    content: bytes
-
-    @property
-    def text(self) -> str:
-        return self.content.decode("utf-8", "replace")
 
 
 class _LoRAServer(OpenAICompatBackend):
@@ -48,19 +34,17 @@ class _LoRAServer(OpenAICompatBackend):
         super().__init__(*args, **kwargs)
         self.root = re.sub(r"/v1/?$", "", str(self.settings.base_url).rstrip("/"))
 
-    async def _admin(self, method: str, route: str, body: dict[str, Any] | None = None) -> _Answer:
-        assert self._client is not None, "backend not started"
+    async def _admin(self, method: str, route: str, body: dict[str, Any] | None = None) -> Reply:
         try:
-            response = await self._client.open(method, self.root + route, orjson.dumps(body) if body else None,
-                                               {"Content-Type": "application/json"} if body else None)
-            content = await response.read(self.settings.max_response_bytes)
+            response = await self.client.open(method, self.root + route, orjson.dumps(body) if body else None,
+                                              {"Content-Type": "application/json"} if body else None)
+            return await response.reply(self.settings.max_response_bytes)
         except Unreached as exc:
             raise BackendUnavailable(exc.error.message) from None
-        return _Answer(response.status, response.reason, content)
 
     async def load_adapter(self, name: str, path: str) -> None:
         response = await self._admin("POST", self.load_route, self._load_body(name, path))
-        if response.status_code >= 400 and not _ALREADY.search(response.text):
+        if response.status >= 400 and not _ALREADY.search(response.text):
             raise BackendError(f"backend {self.name!r} could not load adapter {name!r} from {path}: "
                                f"{_message(response)}", status_code=502, code="adapter_load_failed")
 
@@ -69,17 +53,17 @@ class _LoRAServer(OpenAICompatBackend):
 
     async def unload_adapter(self, name: str) -> None:
         response = await self._admin("POST", self.unload_route, {"lora_name": name})
-        if response.status_code >= 400 and not _MISSING.search(response.text):
+        if response.status >= 400 and not _MISSING.search(response.text):
             raise BackendError(f"backend {self.name!r} could not unload adapter {name!r}: {_message(response)}",
                                status_code=502, code="adapter_unload_failed")
 
     async def loaded_adapters(self) -> set[str] | None:
         """The adapters ``/v1/models`` lists: the cards whose ``parent`` is a base model."""
         response = await self._admin("GET", "/v1/models")
-        if response.status_code >= 400:
-            raise BackendUnavailable(f"backend {self.name!r} answered {response.status_code} to /v1/models")
+        if response.status >= 400:
+            raise BackendUnavailable(f"backend {self.name!r} answered {response.status} to /v1/models")
         try:
-            cards = orjson.loads(response.content).get("data") or []
+            cards = orjson.loads(response.body).get("data") or []
         except (orjson.JSONDecodeError, AttributeError):
             return None
         return {self._adapter_of(card) for card in cards if card.get("parent") and card.get("id")} - {""}
@@ -95,12 +79,12 @@ class _LoRAServer(OpenAICompatBackend):
         except BackendUnavailable as exc:
             return {"healthy": False, "error": exc.message}
         detail: Any = None
-        if info.status_code < 400:
+        if info.status < 400:
             try:
-                detail = orjson.loads(info.content)
+                detail = orjson.loads(info.body)
             except orjson.JSONDecodeError:
                 detail = None
-        return {"healthy": health.status_code == 200, "info": detail}
+        return {"healthy": health.status == 200, "info": detail}
 
     def _missing_adapter(self, request: ChatRequest, exc: BackendError) -> BackendError:
         if (request.adapter and exc.status_code in (400, 404) and request.adapter in exc.message
@@ -144,10 +128,10 @@ class VLLMBackend(_LoRAServer):
         return request.adapter or request.model
 
 
-def _message(response: _Answer) -> str:
+def _message(response: Reply) -> str:
     text = response.text[:500]
     try:
-        body = orjson.loads(response.content)
+        body = orjson.loads(response.body)
     except orjson.JSONDecodeError:
         return text or response.reason
     if isinstance(body, dict):

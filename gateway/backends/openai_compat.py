@@ -11,24 +11,15 @@ from typing import Any
 
 import orjson
 import structlog
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
 from gateway.backends.base import BackendError, BadGateway, CallExtras, ChatRequest, ChatResult
-from gateway.backends.upstream_http import Unreached, UpstreamClient, UpstreamResponse
-from gateway.config import BackendSettings
+from gateway.backends.upstream_http import ERROR_BODY_BYTES, RETRY_STATUSES, HTTPBackend, Retry, UpstreamResponse
 from gateway.protocol.nesting import MAX_DEPTH, too_deep
 from gateway.protocol.sse import split_events
 
 log = structlog.get_logger()
 
-RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
-ERROR_BODY_BYTES = 65_536  # of an error response: enough to quote its message
 MAX_EVENT_BYTES = 1024 * 1024  # one server-sent event of a stream
-
-
-class _Retryable(Exception):
-    def __init__(self, error: BackendError) -> None:
-        self.error = error
 
 
 def _bounded(answer: dict[str, Any], backend: str) -> None:
@@ -65,22 +56,11 @@ def _upstream_error(response: UpstreamResponse, body: bytes) -> BackendError:
                         error_type=error_type or "invalid_request_error", code=code, param=param)
 
 
-class OpenAICompatBackend:
+class OpenAICompatBackend(HTTPBackend):
     """Relays chat completions; retries connection errors, 429 and 5xx before anything reached the client."""
 
-    def __init__(self, settings: BackendSettings) -> None:
-        self.settings = settings
-        self.name = settings.name
-        self.models = list(settings.models)
-        self._client: UpstreamClient | None = None
-
-    async def start(self) -> None:
-        s = self.settings
-        self._client = UpstreamClient(s, {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {})
-
-    async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
+    def client_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
 
     def upstream_model(self, request: ChatRequest) -> str:
         return request.model
@@ -104,38 +84,20 @@ class OpenAICompatBackend:
 
     async def _send(self, body: dict[str, Any], stream: bool) -> tuple[UpstreamResponse, bytes]:
         """The upstream's response, with its whole body when not streaming (read under the size cap)."""
-        assert self._client is not None, "backend not started"
         content = orjson.dumps(body)
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(self.settings.max_retries + 1),
-            wait=wait_exponential_jitter(multiplier=0.05, max=2.0, jitter=0.05),
-            retry=retry_if_exception_type(_Retryable),
-            reraise=True,
-        )
-        try:
-            async for attempt in retrying:
-                with attempt:
-                    return await self._attempt(content, stream)
-        except _Retryable as exc:
-            raise exc.error from None
-        raise AssertionError("unreachable")
 
-    async def _attempt(self, content: bytes, stream: bool) -> tuple[UpstreamResponse, bytes]:
-        assert self._client is not None
-        try:
-            response = await self._client.open("POST", "/chat/completions", content,
-                                               {"Content-Type": "application/json"})
+        async def attempt() -> tuple[UpstreamResponse, bytes]:
+            response = await self.client.open("POST", "/chat/completions", content,
+                                              {"Content-Type": "application/json"})
             if response.status >= 400:
                 error = _upstream_error(response, await response.read(ERROR_BODY_BYTES, truncate=True))
-                if response.status in RETRY_STATUSES:
-                    raise _Retryable(error)
-                raise error
+                raise Retry(error) if response.status in RETRY_STATUSES else error
             if stream:
                 return response, b""
             # Always read from the socket under its cap, so no body is held beyond it.
             return response, await response.read(self.settings.max_response_bytes)
-        except Unreached as exc:
-            raise (_Retryable(exc.error) if exc.retry else exc.error) from None
+
+        return await self.with_retries(attempt)
 
     async def chat(self, request: ChatRequest) -> ChatResult:
         _, content = await self._send(self._body(request, stream=False), stream=False)

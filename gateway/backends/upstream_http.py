@@ -10,12 +10,19 @@ to reach the upstream becomes the backend error it means, with whether a retry m
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import aiohttp
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
 from gateway.backends.base import BackendError, BackendTimeout, BackendUnavailable, BadGateway
 from gateway.config import BackendSettings
+
+T = TypeVar("T")
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+ERROR_BODY_BYTES = 65_536  # of an error response: enough to quote its message
 
 
 class Unreached(Exception):
@@ -45,6 +52,20 @@ def stream_failure(backend: str, exc: BaseException) -> BackendError:
 
 # What a failed exchange raises: aiohttp's own errors, and the TimeoutErrors of its timeouts.
 FAILURES = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+
+
+@dataclass
+class Reply:
+    """A whole answer, as the upstream sent it."""
+
+    status: int
+    reason: str
+    headers: dict[str, str]
+    body: bytes
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", "replace")
 
 
 class UpstreamResponse:
@@ -79,6 +100,10 @@ class UpstreamResponse:
             self._response.release()
         return b"".join(chunks)
 
+    async def reply(self, limit: int, *, truncate: bool = False) -> Reply:
+        """The whole answer, its body read as ``read`` reads it."""
+        return Reply(self.status, self.reason, self.headers, await self.read(limit, truncate=truncate))
+
     async def iter_bytes(self, limit: int) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive; past ``limit`` bytes in all, ``BadGateway``."""
         size = 0
@@ -103,24 +128,18 @@ class UpstreamClient:
     """One upstream's connection pool, with the backend's timeouts and connection limit."""
 
     def __init__(self, settings: BackendSettings, headers: Mapping[str, str] | None = None) -> None:
-        self.backend = settings.name
-        self.base_url = str(settings.base_url).rstrip("/")
-        self._settings = settings
-        self._headers = dict(headers or {})
-        self._session: aiohttp.ClientSession | None = None
-
-    def _open_session(self) -> aiohttp.ClientSession:
-        s = self._settings
-        if self._session is None:
-            # connect: waiting for a pooled connection and making one; sock_read: the longest silence in an answer.
-            # trust_env: HTTP(S)_PROXY and NO_PROXY are honoured, as they were with httpx.
-            timeout = aiohttp.ClientTimeout(total=None, connect=s.connect_timeout, sock_connect=s.connect_timeout,
-                                            sock_read=s.read_timeout)
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=s.max_connections, limit_per_host=0, ttl_dns_cache=300),
-                timeout=timeout, headers=self._headers, auto_decompress=True, trust_env=True,
-                skip_auto_headers=("User-Agent",))
-        return self._session
+        """Made on the event loop (a backend's ``start``), where its session belongs."""
+        s = settings
+        self.backend = s.name
+        self.base_url = str(s.base_url).rstrip("/")
+        # connect: waiting for a pooled connection and making one; sock_read: the longest silence in an answer.
+        # trust_env: HTTP(S)_PROXY and NO_PROXY are honoured, as they were with httpx.
+        timeout = aiohttp.ClientTimeout(total=None, connect=s.connect_timeout, sock_connect=s.connect_timeout,
+                                        sock_read=s.read_timeout)
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=s.max_connections, limit_per_host=0, ttl_dns_cache=300),
+            timeout=timeout, headers=dict(headers or {}), auto_decompress=True, trust_env=True,
+            skip_auto_headers=("User-Agent",))
 
     async def open(self, method: str, path: str, content: bytes | None = None,
                    headers: Mapping[str, str] | None = None) -> UpstreamResponse:
@@ -128,12 +147,73 @@ class UpstreamClient:
         ``Unreached`` when no answer came."""
         url = path if "://" in path else self.base_url + path
         try:
-            response = await self._open_session().request(method, url, data=content, headers=headers,
-                                                           allow_redirects=False)
+            response = await self._session.request(method, url, data=content, headers=headers,
+                                                   allow_redirects=False)
         except FAILURES as exc:
             raise transport_failure(self.backend, exc) from None
         return UpstreamResponse(response, self.backend)
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        await self._session.close()
+
+
+class Retry(Exception):
+    """An attempt failed in a way the next may not: once attempts run out, ``error`` is raised, or else ``last`` (the
+    upstream's own answer) is returned."""
+
+    def __init__(self, error: BackendError | None = None, last: Any = None) -> None:
+        self.error = error
+        self.last = last
+
+
+class HTTPBackend:
+    """What the backends over HTTP share: their settings, one pooled client, and retries with backoff before
+    anything has reached the client."""
+
+    def __init__(self, settings: BackendSettings) -> None:
+        self.settings = settings
+        self.name = settings.name
+        self.models = list(settings.models)
+        self._client: UpstreamClient | None = None
+
+    def client_headers(self) -> dict[str, str]:
+        """Headers every request to the upstream carries (its key)."""
+        return {}
+
+    async def start(self) -> None:
+        self._client = UpstreamClient(self.settings, self.client_headers())
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+    @property
+    def client(self) -> UpstreamClient:
+        assert self._client is not None, "backend not started"
+        return self._client
+
+    async def with_retries(self, attempt: Callable[[], Awaitable[T]]) -> T:
+        """``attempt()`` until it returns, raises anything but ``Retry``/``Unreached``, or the attempts run out.
+        An ``Unreached`` is retried when a retry may help."""
+
+        async def once() -> T:
+            try:
+                return await attempt()
+            except Unreached as exc:
+                raise (Retry(exc.error) if exc.retry else exc.error) from None
+
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.settings.max_retries + 1),
+            wait=wait_exponential_jitter(multiplier=0.05, max=2.0, jitter=0.05),
+            retry=retry_if_exception_type(Retry),
+            reraise=True,
+        )
+        try:
+            async for tried in retrying:
+                with tried:
+                    return await once()
+        except Retry as exc:
+            if exc.error is not None:
+                raise exc.error from None
+            return exc.last
+        raise AssertionError("unreachable")
