@@ -1,9 +1,12 @@
 """The read model: a stored trajectory with its model calls, tool calls, events, feedback and agent run.
 
 Read once by ``TrajectoryStore.get_trajectory`` and consumed as is by the reward signals, RL, evaluation,
-the API and the command line. ``format`` names how ``ModelCall.request`` and its replies are written
-(``chat``: Chat Completions messages); a trajectory of Responses API items or Anthropic messages is another
-format of the same model, so readers that do not know a format can refuse it by name.
+the API and the command line. ``format`` names the API a trajectory's calls came through: ``chat`` (Chat
+Completions, and the Responses API, which is translated to it) or ``anthropic`` (the Messages API). Whatever the
+format, ``ModelCall.request`` and its replies are Chat Completions messages, which every reader (rewards, export,
+training) takes; a call that came through another API also keeps its exchange as it came, ``ModelCall.native``
+(``{"api", "request", "response"}``: the Messages API request and the Message answered, thinking signatures and
+all).
 
 A model call is read in two depths: ``StoredCall``, as the store holds it (message bodies by key, token ids
 packed), and ``ModelCall``, whole (``StoredCall.to_model_call``: bodies in place, columns unpacked). Readers of
@@ -25,6 +28,7 @@ from replay.records import unpack
 from replay.vocabulary import REFUSED_STATUSES
 
 CHAT = "chat"
+ANTHROPIC = "anthropic"
 
 
 def content_text(content: Any) -> str | None:
@@ -68,6 +72,7 @@ class ModelCall(_CallColumns):
     # penalties, any grammar mask: what an importance ratio compares; 0 for a greedy choice).
     completion_logprobs: list[list[float]] | None = None
     completion_sampled_logprobs: list[list[float]] | None = None
+    native: dict[str, Any] | None = None  # {"api", "request", "response"}: the exchange as it came, if not chat
 
     @property
     def messages(self) -> list[dict[str, Any]]:
@@ -91,7 +96,7 @@ class ModelCall(_CallColumns):
                 "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "latency_ms": self.latency_ms, "ttft_ms": self.ttft_ms, "prompt_token_ids": self.prompt_token_ids,
                 "completion_token_ids": self.completion_token_ids, "completion_logprobs": self.completion_logprobs,
-                "completion_sampled_logprobs": self.completion_sampled_logprobs}
+                "completion_sampled_logprobs": self.completion_sampled_logprobs, "native": self.native}
 
 
 @dataclass(slots=True)

@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 
 from replay.database import Database
-from replay.model import AgentRun, Feedback, ModelCall, RunEvent, StoredCall, ToolCall, Trajectory, content_text
+from replay.model import CHAT, AgentRun, Feedback, ModelCall, RunEvent, StoredCall, ToolCall, Trajectory, content_text
 
 _SUMMARY_FIELDS = ("id", "source", "status", "created_at", "updated_at", "tenant", "key_id", "session_key",
                    "requested_model", "base_model", "adapter", "adapter_version", "task_id", "group_id", "parent_id",
@@ -54,7 +54,10 @@ async def trajectory(db: Database, trajectory_id: str, *, tenant: str | None,
     if row is None or (not all_tenants and row["tenant"] != tenant):
         return None
     calls = await _calls(db, trajectory_id)
-    return Trajectory(**_summary(row), calls=calls, tool_calls=await _tool_calls(db, trajectory_id, calls),
+    # The API its calls came through (one per trajectory: a session's calls come through one API).
+    api = next((c.native["api"] for c in calls if c.native), CHAT)
+    return Trajectory(**_summary(row), format=api, calls=calls,
+                      tool_calls=await _tool_calls(db, trajectory_id, calls),
                       events=await _events(db, trajectory_id), feedback=await _feedback(db, trajectory_id),
                       run=await _run(db, trajectory_id))
 
@@ -81,8 +84,19 @@ def stored_call(row: Sequence[Any]) -> StoredCall:
 async def _calls(db: Database, trajectory_id: str) -> list[ModelCall]:
     stored = [stored_call(r) for r in await db.fetchall(
         f"SELECT {CALL_COLUMNS} FROM model_calls WHERE trajectory_id = ? ORDER BY seq, created_at", (trajectory_id,))]
-    bodies = await blobs(db, {k for c in stored for k in c.body_keys})
-    return [c.to_model_call(bodies) for c in stored]
+    # The exchanges kept as they came through another API: read here alone (the export needs the chat messages only).
+    native = {cid: (api, orjson.loads(keys)) for cid, api, keys in await db.fetchall(
+        "SELECT id, native_api, native_bodies FROM model_calls WHERE trajectory_id = ? AND native_api IS NOT NULL",
+        (trajectory_id,))}
+    keys = {k for c in stored for k in c.body_keys} | {k for _, kept in native.values() for k in kept}
+    bodies = await blobs(db, keys)
+    calls = [c.to_model_call(bodies) for c in stored]
+    for call in calls:
+        if call.id in native:
+            api, kept = native[call.id]
+            call.native = {"api": api, "request": bodies.get(kept[0]),
+                           "response": bodies.get(kept[1]) if len(kept) > 1 else None}
+    return calls
 
 
 async def blobs(db: Database, keys: Iterable[str]) -> dict[str, Any]:

@@ -76,6 +76,8 @@ class CallRecord:
     # status, and where they ran, result and duration_ms.
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     created_at: float = field(default_factory=time.time)
+    # The exchange as it came through another API than chat completions: {"api", "request", "response"}.
+    native: dict[str, Any] | None = None
 
 
 def split_choices(rec: CallRecord) -> list[CallRecord]:

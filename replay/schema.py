@@ -274,6 +274,13 @@ MIGRATIONS: list[str] = [
     ALTER TABLE blobs ADD COLUMN stored_at REAL NOT NULL DEFAULT 0;
     CREATE VIRTUAL TABLE trajectory_text USING fts5(body, trajectory_id UNINDEXED, tokenize = 'unicode61');
     """,
+    # 11: a call that came through another API than chat completions (the Anthropic Messages API) keeps its exchange
+    # as it came, beside the chat messages every reader takes: ``native_api`` names the API, ``native_bodies`` holds
+    # the blob keys of its request and (when there was one) its answer.
+    """
+    ALTER TABLE model_calls ADD COLUMN native_api TEXT;
+    ALTER TABLE model_calls ADD COLUMN native_bodies TEXT;
+    """,
 ]
 
 # Where PostgreSQL's text differs by more than its types: migration number -> what it runs instead.

@@ -170,6 +170,7 @@ class TrajectoryStore:
         return f"""DELETE FROM blobs WHERE stored_at < ? AND hash NOT IN (
                        SELECT j.value FROM model_calls, {each.format('request_messages')}
                        UNION SELECT j.value FROM model_calls, {each.format('response_messages')}
+                       UNION SELECT j.value FROM model_calls, {each.format('native_bodies')}
                        UNION SELECT tools_hash FROM model_calls WHERE tools_hash IS NOT NULL)"""
 
     # -- for the repositories in replay/ alone -------------------------------------------------------

@@ -87,8 +87,9 @@ _UPSERT_TRAJECTORY = """
 _INSERT_CALL = """
     INSERT INTO model_calls(id, trajectory_id, seq, created_at, backend, model, adapter, stream, request_messages,
         tools_hash, params, response, response_messages, status, error, prompt_tokens, completion_tokens,
-        latency_ms, ttft_ms, prompt_token_ids, completion_token_ids, completion_logprobs, completion_sampled_logprobs)
-    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"""
+        latency_ms, ttft_ms, prompt_token_ids, completion_token_ids, completion_logprobs, completion_sampled_logprobs,
+        native_api, native_bodies)
+    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"""
 
 _INSERT_TOOL_CALL = """
     INSERT INTO tool_calls(id, trajectory_id, step, call_id, name, raw_arguments, parsed, repaired, valid,
@@ -251,6 +252,10 @@ class Writer:
                 response = {**response, "choices": [
                     {k: v for k, v in c.items() if k != "message"} for c in choices]}
             heads.append((rec, head))
+            native = rec.native
+            native_keys = ([put_blob(native["request"])] + ([put_blob(native["response"])]
+                                                           if native.get("response") is not None else [])
+                           if native else None)
             status = "completed" if rec.status == "ok" else rec.status
             ref = rec.trajectory
             message_count = len(rec.request_messages) + (1 if response_keys else 0)
@@ -266,6 +271,7 @@ class Writer:
                 orjson.dumps(response_keys).decode(), rec.status, rec.error, rec.prompt_tokens,
                 rec.completion_tokens, rec.latency_ms, rec.ttft_ms, pack(rec.prompt_token_ids),
                 pack(rec.completion_token_ids), pack(rec.completion_logprobs), pack(rec.completion_sampled_logprobs),
+                native["api"] if native else None, orjson.dumps(native_keys).decode() if native_keys else None,
             ))
             tool_calls.extend(
                 (new_id(), ref.id, ref.seq, t["call_id"], t["name"], t["raw_arguments"], int(t["parsed"]),

@@ -83,6 +83,9 @@ class Exchange:
     # The Anthropic API's max_tokens is a ceiling clients set to the largest a model allows: lowered to what the
     # backend can give rather than refused.
     max_tokens_ceiling: bool = False
+    # A surface of another API than chat completions: its call as that API saw it, from the completion answered
+    # (None when there was none), kept with each record of the client's own request.
+    native: Callable[[dict[str, Any] | None], dict[str, Any]] | None = None
 
     @property
     def backend(self) -> Backend:
@@ -98,8 +101,11 @@ class Exchange:
 
     def record(self, *, status: str, response: dict[str, Any] | None = None, error: str | None = None,
                result_extras: Any = None, ttft_ms: float | None = None, messages: list[dict[str, Any]] | None = None,
-               tool_calls: list[dict[str, Any]] | None = None) -> CallRecord:
-        """The record of one backend call; ``messages`` when a guard retry sent other messages than the client."""
+               tool_calls: list[dict[str, Any]] | None = None, native: dict[str, Any] | None = None) -> CallRecord:
+        """The record of one backend call; ``messages`` when a guard retry sent other messages than the client;
+        ``native``: the call as its API saw it, where the surface has it whole (else ``self.native`` makes it)."""
+        if native is None and self.native is not None and messages is None:
+            native = self.native(response)
         usage = (response or {}).get("usage") or {}
         return CallRecord(
             trajectory=self.ref,
@@ -122,6 +128,7 @@ class Exchange:
             completion_tokens=int(usage.get("completion_tokens") or 0),
             latency_ms=(time.perf_counter() - self.started) * 1000,
             ttft_ms=ttft_ms,
+            native=native,
             prompt_token_ids=getattr(result_extras, "prompt_token_ids", None),
             completion_token_ids=getattr(result_extras, "completion_token_ids", None),
             completion_logprobs=getattr(result_extras, "completion_logprobs", None),

@@ -142,6 +142,8 @@ async def _translated(ctx: RequestContext, exchange: Exchange, asked: _Request) 
     message_id = f"msg_{new_id().lower()}"
     model = str(asked.body["model"])
     stops = asked.body.get("stop_sequences")
+    exchange.native = lambda completion: _native(asked.body, chat_to_message(
+        completion, message_id=message_id, model=model, stop_sequences=stops) if completion else None)
     if not asked.parsed.stream:
         result = await complete(ctx, exchange)
         message = chat_to_message(result.response, message_id=message_id, model=model, stop_sequences=stops)
@@ -184,6 +186,7 @@ async def _pass_through(ctx: RequestContext, exchange: Exchange, asked: _Request
                         backend: AnthropicBackend) -> Response:
     request = ctx.request
     query = request.url.query
+    exchange.native = lambda _: _native(asked.body, None)  # an answer passed through is kept as it came, below
     if not asked.body.get("stream"):
         try:
             reply = await unless_disconnected(request.receive, backend.send(MESSAGES_PATH, asked.raw, request.headers,
@@ -225,8 +228,13 @@ def _recorded(exchange: Exchange, status: int, body: bytes) -> CallRecord:
 
 def _record_message(exchange: Exchange, message: dict[str, Any], *, status: str = "ok",
                     error: str | None = None) -> CallRecord:
-    completion = message_to_chat(message)
-    return exchange.record(status=status, response=completion, error=error)
+    """The record of an upstream's Message: as a chat completion, and as it came."""
+    native = {**exchange.native(None), "response": message} if exchange.native else None
+    return exchange.record(status=status, response=message_to_chat(message), error=error, native=native)
+
+
+def _native(request: dict[str, Any], message: dict[str, Any] | None) -> dict[str, Any]:
+    return {"api": API, "request": request, "response": message}
 
 
 async def _relay_events(ctx: RequestContext, exchange: Exchange, upstream: EventStream) -> AsyncIterator[bytes]:

@@ -376,6 +376,7 @@ async def test_a_store_from_before_the_search_index_is_searchable_after_its_upgr
         db.executescript("""DROP TABLE trajectory_text; DROP INDEX agent_runs_lease;
             ALTER TABLE trajectories DROP COLUMN next_seq; ALTER TABLE agent_runs DROP COLUMN lease_owner;
             ALTER TABLE agent_runs DROP COLUMN lease_expires_at; ALTER TABLE blobs DROP COLUMN stored_at;
+            ALTER TABLE model_calls DROP COLUMN native_api; ALTER TABLE model_calls DROP COLUMN native_bodies;
             PRAGMA user_version = 9;""")
     store = await _open(tmp_path / "old.db")
     try:
@@ -385,3 +386,26 @@ async def test_a_store_from_before_the_search_index_is_searchable_after_its_upgr
         assert await rows(store, "SELECT next_seq FROM trajectories WHERE id = ?", tid) == [(2,)]
     finally:
         await store.close()
+
+
+async def test_an_exchange_kept_as_it_came_is_read_back_and_outlives_collection(
+        store_location: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(replay.store, "SHARED_BLOB_TRUST_SECONDS", 0.0)
+    store = await _open(store_location)
+    messages = [{"role": "user", "content": "hi"}]
+    native = {"api": "anthropic", "request": {"model": "claude-x", "max_tokens": 9, "messages": messages},
+              "response": {"type": "message", "content": [{"type": "thinking", "thinking": "t", "signature": "S=="}]}}
+    prefix = hashing.prefix_hashes(messages)
+    ref = await store.stitch(session_key=None, prefix=prefix, anchor=prefix[0], tenant=None)
+    await store.record(CallRecord(trajectory=ref, request_messages=messages, request_prefix=prefix, status="ok",
+                                  response=_answer("hello"), native=native))
+    other = await _call(store, [{"role": "user", "content": "other"}], "b")
+    assert await store.delete(ids=[other]) == 1  # collects the bodies no call refers to
+    kept = await store.get_trajectory(ref.id, all_tenants=True)
+    assert kept is not None and kept.format == "anthropic"
+    assert kept.calls[0].native == native
+    assert kept.calls[0].messages == messages  # the chat messages every reader takes, as ever
+    assert kept.to_dict()["calls"][0]["native"] == native
+    plain = await _call(store, [{"role": "user", "content": "plain"}], "c")
+    assert (await store.get_trajectory(plain, all_tenants=True)).format == "chat"
+    await store.close()

@@ -78,6 +78,15 @@ def test_plain_and_streamed_text(tmp_path: Path) -> None:
         assert served.rows("SELECT n_calls, requested_model, base_model FROM trajectories WHERE id = ?", (tid,)) == [
             (1, "claude-opus-5-5", "scripted-model")]
         assert served.params(tid)[0]["api"] == "anthropic"
+        # The read model: format anthropic, the exchange as the client saw it beside the chat messages.
+        stored = httpx.get(f"{served.url}/v1/trajectories/{tid}", headers={"authorization": "Bearer sk-test"}).json()
+        assert stored["format"] == "anthropic"
+        native = stored["calls"][0]["native"]
+        assert native["api"] == "anthropic" and native["request"]["stop_sequences"] == ["\n\nHuman:"]
+        assert native["request"]["system"][0]["cache_control"] == {"type": "ephemeral"}
+        assert (native["response"]["id"], native["response"]["stop_reason"]) == (message.id, "end_turn")
+        assert native["response"]["content"] == [{"type": "text", "text": "Hello there."}]
+        assert stored["calls"][0]["request"]["messages"][-1] == {"role": "user", "content": "Say hello"}
 
         with client.messages.stream(model="claude-haiku-4-5", max_tokens=64,
                                     messages=[{"role": "user", "content": "Again"}]) as stream:

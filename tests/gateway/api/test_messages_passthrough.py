@@ -117,6 +117,11 @@ def test_a_plain_answer_goes_both_ways_byte_for_byte(served: Served) -> None:
     [answer] = [json.loads(b) for (b,) in served.rows("SELECT body FROM blobs WHERE hash = ?",
                                                        (json.loads(response_keys)[0],))]
     assert answer == {"role": "assistant", "content": TEXT, "reasoning_content": THINKING}
+    # And kept as it came: the request as sent, the Message as answered (signature and unknown block included).
+    stored = httpx.get(f"{served.url}/v1/trajectories/{tid}").json()
+    assert stored["format"] == "anthropic"
+    native = stored["calls"][0]["native"]
+    assert native["request"] == json.loads(body) and native["response"] == expected
 
 
 def test_a_streamed_answer_is_relayed_byte_for_byte(served: Served) -> None:
