@@ -18,10 +18,26 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.adapters.manager import AdapterManager
 from gateway.adapters.service import AdapterService
 from gateway.agent.service import AgentService
-from gateway.api import adapters, agent, approvals, chat, health, messages, models, openapi, responses, trajectories
+from gateway.api import (
+    adapters,
+    agent,
+    approvals,
+    chat,
+    completions,
+    embeddings,
+    health,
+    messages,
+    models,
+    openapi,
+    responses,
+    trajectories,
+    usage,
+)
 from gateway.auth import Authenticator, is_loopback
 from gateway.backends import build_backend
 from gateway.backends.base import Backend
+from gateway.backends.health import HealthMonitor
+from gateway.backends.pool import build_pools, member_settings
 from gateway.bot.service import BotService
 from gateway.bot.webhook import WebhookPlatform
 from gateway.bot.wecom import WeComPlatform
@@ -29,6 +45,9 @@ from gateway.config import Settings
 from gateway.context import Handler, access_line, endpoint, open_line
 from gateway.errors import APIError, error_response, store_unavailable
 from gateway.metrics import Metrics
+from gateway.quotas.admission import Quotas
+from gateway.quotas.counters import open_counters
+from gateway.quotas.pricing import Pricing, check_key_budgets
 from gateway.routing import Caller, Router
 from replay.adapters import AdapterRegistry
 from replay.database import StoreUnavailable, redact_url
@@ -48,15 +67,17 @@ class Gateway:
         self.settings = settings
         s = settings.store
         self.metrics = Metrics(queue_depth=lambda: self.store.queue_depth)
-        self.store = TrajectoryStore(s.location, s, on_commit=self.metrics.observe_commit)
+        self.pricing = Pricing(settings.prices)
+        self.store = TrajectoryStore(s.location, s, on_commit=self.metrics.observe_commit,
+                                     cost_of=self.pricing.price_record)
+        self.quotas = Quotas(settings.limits, open_counters(settings.limits.storage), self.pricing)
         self.auth = Authenticator(self.store, settings.server.admin_key, loopback=is_loopback(settings.server.host),
                                   cache_seconds=settings.server.auth_cache_seconds)
-        self.backends: list[Backend] = [build_backend(b) for b in settings.backends]
+        built = member_settings(settings.backends, settings.routing.member_retries)
+        self.backends: list[Backend] = [build_backend(b) for b in built]
         self.metrics.watch_prefix_caches(self.backends)
-        self.model_map: dict[str, Backend] = {}
-        for backend in self.backends:
-            for model in backend.models:
-                self.model_map.setdefault(model, backend)
+        # Each model's backend: the one serving it, or a pool of all that do (gateway/backends/pool.py).
+        self.members, self.model_map = build_pools(self.backends, built, settings.routing)
         self.background: set[asyncio.Task[Any]] = set()
         self.cancel_on_stop: set[asyncio.Task[Any]] = set()
         registry = AdapterRegistry(s.location)
@@ -72,6 +93,8 @@ class Gateway:
         self.agents = AgentService(profiles=settings.profiles, store=self.store,
                                    registry=default_registry(settings.tools), tool_context=self.tool_context,
                                    backend_for=self.backend_for, on_usage=self.metrics.count_tokens,
+                                   meter_for=lambda key_id, own, tenant, model: self.quotas.meter(
+                                       key_id, own, tenant, self.base_of(model)),
                                    spawn=lambda coro: self.spawn(coro, cancel_on_stop=True))
         self.bot = BotService(settings.bot, self.agents, self.store, self.spawn)
         self.bot.add(WebhookPlatform(settings.bot, self.bot, own=own))
@@ -95,6 +118,13 @@ class Gateway:
         """For agent profiles: the whole pipeline on a configured name; one draw per run, so a run is sticky."""
         return self.router.route(self.router.name_for(model, Caller())).backend
 
+    def base_of(self, model: str) -> str | None:
+        """The base model a configured name stands for (an alias's, an adapter's): what it is priced as."""
+        try:
+            return self.router.target_for(self.router.name_for(model, Caller())).base
+        except APIError:
+            return None
+
     async def start(self) -> None:
         try:
             await self._start()
@@ -104,12 +134,16 @@ class Gateway:
 
     async def _start(self) -> None:
         await self.store.start()
+        await check_key_budgets(self.store, self.settings.backends, self.settings.prices)
         for backend in self.backends:
             await backend.start()
         await self.bot.recover()
         await self.adapter_manager.refresh(force=True)
         await self.adapter_manager.reconcile()
         self.spawn(self.adapter_manager.run(self.settings.routing.refresh_seconds), cancel_on_stop=True)
+        if self.settings.routing.health_check_seconds:
+            monitor = HealthMonitor(self.members, self.settings.routing.health_check_seconds)
+            self.spawn(monitor.run(), cancel_on_stop=True)
         # Expired approvals, decisions made elsewhere and runs whose process died; and this process's run leases,
         # renewed three times a lease so one missed renewal never lets a live run be taken over.
         self.spawn(self._every(self.settings.tools.approval_poll_seconds, self.agents.sweep, "approvals.sweep_failed"),
@@ -129,6 +163,7 @@ class Gateway:
             await backend.aclose()
         await self.tool_context.aclose()
         await self.bot.aclose()
+        await self.quotas.counters.aclose()
         await self.store.close()
 
     @staticmethod
@@ -246,6 +281,8 @@ def build_app(settings: Settings) -> Starlette:
 
     routes = [
         route("/v1/chat/completions", chat.chat_completions, "POST", "chat"),
+        route("/v1/completions", completions.create_completion, "POST", "completions"),
+        route("/v1/embeddings", embeddings.create_embeddings, "POST", "embeddings"),
         route("/v1/responses", responses.create_response, "POST", "responses"),
         route("/v1/responses/{response_id}", responses.get_response, "GET", "response"),
         route("/v1/messages", messages.create_message, "POST", "messages"),
@@ -262,6 +299,7 @@ def build_app(settings: Settings) -> Starlette:
         route("/admin/adapters/{name}/{action}", adapters.lifecycle, "POST", "admin_adapter_action"),
         route("/admin/trajectories", trajectories.list_all, "GET", "admin_trajectories"),
         route("/admin/trajectories/{trajectory_id}", trajectories.show_any, "GET", "admin_trajectory"),
+        route("/admin/usage", usage.usage, "GET", "admin_usage"),
         route("/admin/approvals", approvals.list_approvals, "GET", "admin_approvals"),
         route("/admin/approvals/{approval_id}", approvals.show, "GET", "admin_approval"),
         route("/admin/approvals/{approval_id}/{action}", approvals.decide, "POST", "admin_approval_decide"),

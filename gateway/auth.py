@@ -7,11 +7,12 @@ import hmac
 import ipaddress
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.datastructures import Headers
 
 from gateway.errors import APIError
+from gateway.quotas.settings import Limits
 from gateway.routing import Caller
 from replay import keys
 from replay.store import TrajectoryStore
@@ -46,6 +47,7 @@ class Principal:
     admin: bool = False
     default_model: str | None = None  # for requests that name no model
     allow_model_override: bool = False  # may replace the model with the override header
+    limits: Limits | None = field(default=None, compare=False)  # the key's own, over [limits.key]
 
     def caller(self) -> Caller:
         """As routing sees it: an open gateway and the admin key may always use the override header."""
@@ -112,7 +114,8 @@ class Authenticator:
             row = await keys.find(self.store, digest)
             principal = None if row is None else Principal(
                 key_id=row["id"], tenant=row["tenant"], capture=bool(row["capture"]),
-                default_model=row["default_model"], allow_model_override=bool(row["allow_model_override"]))
+                default_model=row["default_model"], allow_model_override=bool(row["allow_model_override"]),
+                limits=Limits.model_validate_json(row["limits"]) if row["limits"] else None)
             if len(self._keys) > 10_000:
                 self._keys.clear()
             self._keys[digest] = cached = (now + self.cache_seconds, principal)

@@ -13,9 +13,8 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
-from urllib.parse import urlsplit
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -25,9 +24,11 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from gateway.bot.settings import BotSettings
 from gateway.prompting import DEFAULT_RENDERING, Rendering
+from gateway.quotas.settings import LimitsSettings, Price, unpriced
 from replay.settings import RewardSettings, StoreSettings
-from tools.settings import AllowHosts, ConfigError, Networks, Section, ToolsSettings
+from tools.settings import ConfigError, Section, ToolsSettings
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 ENV_PREFIX = "HARNESS_"
@@ -72,6 +73,13 @@ class ServerSettings(Section):
 
 # A small CPU model that does not stop would otherwise hold the engine for minutes on one ceiling request.
 LOCAL_MAX_OUTPUT_TOKENS = 1024
+# OpenAI's APIs beside chat that a backend may serve; the embedded model embeds nothing, an Anthropic upstream speaks
+# the Messages API alone.
+Api = Literal["completions", "embeddings"]
+DEFAULT_APIS: dict[str, tuple[Api, ...]] = {"openai": ("completions", "embeddings"),
+                                            "sglang": ("completions", "embeddings"),
+                                            "vllm": ("completions", "embeddings"), "local": ("completions",),
+                                            "anthropic": ()}
 
 
 class BackendSettings(Section):
@@ -113,12 +121,23 @@ class BackendSettings(Section):
     tool_rendering: Rendering = Field(DEFAULT_RENDERING, description="local: how tool specs are written into the "
                                       "base model's prompt: 'hermes' (a line of JSON per tool) or 'compact' (a "
                                       "signature per tool); an adapter gets the rendering it was trained with.")
+    weight: float = Field(1.0, gt=0, description="This backend's share of a model it serves with others: requests "
+                          "go to the backend with the fewest in flight per unit of weight.")
+    apis: list[Api] | None = Field(None, description="Which of OpenAI's APIs besides chat this backend serves: "
+                                   "completions (/v1/completions) and embeddings (/v1/embeddings); a model whose "
+                                   "backend does not list one gets a 404 unsupported_api there (default: both for "
+                                   "openai, sglang and vllm, completions for local, neither for anthropic).")
     api_key: str | None = Field(None, exclude=True)
 
     @model_validator(mode="after")
     def _check_kind(self) -> BackendSettings:
         if self.kind != "local" and not self.base_url:
             raise ValueError(f"backend {self.name!r} of kind {self.kind!r} needs base_url")
+        if self.apis is None:
+            self.apis = list(DEFAULT_APIS[self.kind])
+        refused = set(self.apis) - set(DEFAULT_APIS[self.kind]) if self.kind in ("local", "anthropic") else set()
+        if refused:
+            raise ValueError(f"backend {self.name!r} of kind {self.kind!r} cannot serve {', '.join(sorted(refused))}")
         if self.kind == "local" and not self.models:
             self.models = [DEFAULT_MODEL_NAME]
         if not self.models:
@@ -172,82 +191,27 @@ class RoutingSettings(Section):
     max_upload_bytes: int = Field(512 * 1024 * 1024, gt=0, description="Largest adapter archive accepted.")
     refresh_seconds: float = Field(5.0, gt=0, description="How often the registry is re-read and backends are "
                                    "checked for lost adapters.")
+    fallbacks: dict[str, list[str]] = Field(default_factory=dict, description="Models tried in order when a model's "
+                                            "call fails before anything reached the client (a 5xx, a timeout, a "
+                                            "prompt longer than its context): 'gpt-x' = ['other', 'third'].")
+    health_check_seconds: float = Field(10.0, ge=0, description="How often each remote backend is probed (GET "
+                                        "{base_url}/models; any answer but a 5xx is healthy); 0: never.")
+    eject_after_failures: int = Field(3, gt=0, description="Consecutive failures (unreachable, timeouts, 429 and "
+                                      "5xx; requests and probes alike) that eject a backend from its models' pools.")
+    eject_seconds: float = Field(30.0, gt=0, description="How long an ejected backend rests before one probe or "
+                                 "request decides whether it comes back.")
+    member_retries: int = Field(0, ge=0, description="Retries a backend that shares a model with others makes "
+                                "itself (at most its max_retries) before the request moves on to the next.")
 
     @model_validator(mode="after")
     def _check_names(self) -> RoutingSettings:
         for alias in self.aliases:
             if alias.startswith("agent:"):
                 raise ValueError(f"alias {alias!r}: the 'agent:' prefix names agent profiles")
+        for model, fallbacks in self.fallbacks.items():
+            if any(name.startswith("agent:") for name in [model, *fallbacks]):
+                raise ValueError(f"fallbacks of {model!r}: models fall back to models, not to agent profiles")
         return self
-
-
-class WeComSettings(Section):
-    """A WeCom (企业微信) self-built application whose callback URL points at ``/bot/wecom/callback``."""
-
-    corp_id: str | None = Field(None, description="The company's corp id (the receive id of its callback "
-                                "messages); none disables the adapter.")
-    agent_id: int | None = Field(None, description="The application's agent id, used to send replies.")
-    token_env: str = Field("HARNESS_WECOM_TOKEN", description="Variable holding the callback token.")
-    aes_key_env: str = Field("HARNESS_WECOM_AES_KEY", description="Variable holding the 43-character "
-                             "EncodingAESKey.")
-    corp_secret_env: str = Field("HARNESS_WECOM_SECRET", description="Variable holding the application secret "
-                                 "the send API's access token is taken with.")
-    api_base: str = Field("https://qyapi.weixin.qq.com", description="Base URL of WeCom's server API.")
-    profile: str | None = Field(None, description="The agent profile answering WeCom users (default "
-                                "[bot] profile).")
-    ack_text: str = Field("", description="A passive reply sent at once while the agent works (empty: none).")
-    # Filled from the *_env variables at load time.
-    token: str | None = Field(None, exclude=True)
-    aes_key: str | None = Field(None, exclude=True)
-    corp_secret: str | None = Field(None, exclude=True)
-
-
-class BotSettings(Section):
-    """The chat-bot backend: the signed JSON webhook ``/bot/v1/...`` and platform adapters."""
-
-    profile: str | None = Field(None, description="The agent profile that answers; the bot routes are off "
-                                "without one.")
-    secret_env: str = Field("HARNESS_BOT_SECRET", description="Variable holding the webhook's shared secret.")
-    tenant: str = Field("bot", description="Tenant the bot's trajectories belong to.")
-    sync_timeout_seconds: float = Field(20.0, ge=0, description="How long a webhook waits for the reply before "
-                                        "answering 202 (then callback or polling).")
-    signature_window_seconds: float = Field(300.0, gt=0, description="Largest distance between a request's "
-                                            "timestamp and the gateway's clock.")
-    rate_limit_messages: int = Field(20, ge=0, description="Messages one user may send per window (0: no limit).")
-    rate_limit_window_seconds: float = Field(60.0, gt=0, description="The rate limit's window.")
-    rate_limit_storage: str = Field("memory://", description="Where the rate limit counts messages: memory:// "
-                                    "(each process alone) or a redis://host:port/db URL that replicas share.")
-    callback_allow_hosts: AllowHosts = Field(default_factory=list, description="Callback hosts allowed even at "
-                                            "private addresses.")
-    callback_allow_networks: Networks = Field(default_factory=list, description="CIDR ranges callbacks may "
-                                               "reach even when private.")
-    callback_attempts: int = Field(6, gt=0, description="Tries to deliver one callback.")
-    callback_backoff_seconds: float = Field(1.0, gt=0, description="Wait before the second try; doubles each "
-                                            "time.")
-    callback_timeout_seconds: float = Field(10.0, gt=0, description="Seconds one callback request may take.")
-    wecom: WeComSettings = Field(default_factory=WeComSettings, description="[bot.wecom]: the WeCom adapter, "
-                                 "below.")
-    # Filled from secret_env at load time.
-    secret: str | None = Field(None, exclude=True)
-
-    @field_validator("rate_limit_storage")
-    @classmethod
-    def _check_rate_limit_storage(cls, value: str) -> str:
-        # Checked here so that a typo stops the start, not the first message. The value is not echoed: a Redis
-        # URL may carry a password.
-        if value == "memory://":
-            return value
-        url = urlsplit(value)
-        try:
-            url.port  # noqa: B018 (raises on a port that is not a number)
-        except ValueError:
-            raise ValueError("the Redis URL's port must be a number") from None
-        if url.scheme not in ("redis", "rediss") or not url.hostname:
-            raise ValueError("must be memory:// or a Redis URL such as redis://127.0.0.1:6379/0 (rediss:// for TLS)")
-        database = url.path.strip("/")
-        if database and not database.isdigit():
-            raise ValueError("the Redis URL's path must be a database number, as in redis://host:6379/0")
-        return value
 
 
 class Settings(BaseSettings):
@@ -265,6 +229,9 @@ class Settings(BaseSettings):
     rewards: RewardSettings = Field(default_factory=RewardSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     bot: BotSettings = Field(default_factory=BotSettings)
+    limits: LimitsSettings = Field(default_factory=LimitsSettings)
+    prices: dict[str, Price] = Field(default_factory=dict, description="[prices.MODEL]: what a base model's tokens "
+                                     "cost; each call's cost is recorded, and money budgets count it.")
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
@@ -296,6 +263,14 @@ class Settings(BaseSettings):
                              "worker would load its own copy of the model and its cache and split the batches, so "
                              "more workers give less throughput per GB, not more. Run one worker, or serve the model "
                              "with sglang or vllm and put the workers in front of it")
+        return self
+
+    @model_validator(mode="after")
+    def _check_prices(self) -> Settings:
+        missing = unpriced((m for b in self.backends for m in b.models), self.prices) if self.limits.in_money else []
+        if missing:
+            raise ValueError(f"[limits] sets a budget in money, but these models have no [prices] entry to count it "
+                             f"with: {', '.join(missing)}")
         return self
 
     @model_validator(mode="after")

@@ -15,10 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Scope
+from starlette.types import Receive, Scope, Send
+
+from gateway.errors import APIError
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
+    from gateway.quotas.admission import Hold
 
 _LINE = "access_line"
 
@@ -31,10 +34,12 @@ class AccessLine:
     backend: str | None = None
     adapter: str | None = None
     canary: str | None = None
+    fallback_from: str | None = None  # the model whose call failed before the one that answered
     stream: bool | None = None
     trajectory_id: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cost_usd: float | None = None  # at [prices]; None when no call had a price
     invalid_tool_calls: int | None = None
     status_detail: str | None = None  # e.g. client_disconnected
     error: str | None = None  # the error code or type answered
@@ -72,16 +77,51 @@ class RequestContext:
     request: Request
     line: AccessLine
     requested_model: str | None = None  # the model as the client named it, before aliases
+    hold: Hold | None = None  # what the request holds of its caller's limits until its response is out
+
+    async def settle(self) -> None:
+        """Give back what the request held beyond what it spent (tokens and cost as its calls were accounted)."""
+        if self.hold is not None:
+            line = self.line
+            await self.gateway.quotas.settle(self.hold, line.prompt_tokens or 0, line.completion_tokens or 0,
+                                             line.cost_usd)
 
 
 Handler = Callable[[RequestContext], Awaitable[Response]]
 
 
+class _SettledAfter:
+    """A response, and the request's limits settled once it is out (a stream's last byte sent, or its client gone)."""
+
+    def __init__(self, response: Response, ctx: RequestContext) -> None:
+        self.response = response
+        self.ctx = ctx
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            await self.ctx.settle()
+
+
 def endpoint(gateway: Gateway, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
-    """A Starlette endpoint that serves ``handler`` with the request's context."""
+    """A Starlette endpoint that serves ``handler`` with the request's context. A request admitted against its
+    caller's limits answers with their ``x-ratelimit-*`` headers, errors included, and is settled at its end."""
 
     @wraps(handler)
     async def serve(request: Request) -> Response:
-        return await handler(RequestContext(gateway, request, access_line(request.scope)))
+        ctx = RequestContext(gateway, request, access_line(request.scope))
+        try:
+            response = await handler(ctx)
+        except BaseException as exc:
+            if ctx.hold is not None:
+                if isinstance(exc, APIError):
+                    exc.headers = {**ctx.hold.headers, **(exc.headers or {})}
+                await ctx.settle()
+            raise
+        if ctx.hold is None:
+            return response
+        response.headers.update(ctx.hold.headers)
+        return _SettledAfter(response, ctx)  # type: ignore[return-value]
 
     return serve

@@ -13,11 +13,13 @@ from rich.console import Console
 from rich.table import Table
 
 from extras import MissingExtra
-from gateway.auth import hash_secret, is_loopback, new_secret
+from gateway.auth import is_loopback
 from gateway.config import ConfigError
+from gateway.quotas.pricing import check_key_budgets
 from harness.adapters import app as adapters_app
 from harness.approvals import app as approvals_app
 from harness.config import app as config_app
+from harness.keys import app as keys_app
 from harness.replay import app as replay_app
 from harness.store import app as store_app
 from harness.support import (
@@ -30,6 +32,7 @@ from harness.support import (
     with_store,
 )
 from harness.training import register as register_training_commands
+from harness.usage import usage
 from replay import keys
 from replay.model import Trajectory
 
@@ -37,9 +40,9 @@ T = TypeVar("T")
 
 app = typer.Typer(help="Agent harness: an OpenAI-compatible gateway that records every trajectory.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
-keys_app = typer.Typer(help="API keys (stored hashed, one tenant each).", no_args_is_help=True)
 traj_app = typer.Typer(help="Captured trajectories.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
+app.command("usage")(usage)
 app.add_typer(traj_app, name="trajectories")
 app.add_typer(replay_app, name="replay")
 app.add_typer(adapters_app, name="adapters")
@@ -67,6 +70,7 @@ def serve(config: str | None = ConfigOption, host: str | None = HostOption, port
                        err=True)
             raise typer.Exit(2)
     try:
+        with_store(settings, lambda s: check_key_budgets(s, settings.backends, settings.prices))
         application = build_app(settings)
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -129,48 +133,6 @@ def run_agent(profile: str = typer.Argument(..., help="An agent profile from the
                       f"trajectory {h['trajectory_id']}[/dim]")
     if state.status not in ("completed", "terminated"):
         raise typer.Exit(1)
-
-
-@keys_app.command("create")
-def keys_create(tenant: str = typer.Option(..., help="Tenant this key belongs to."),
-                name: str | None = typer.Option(None, help="A label for people."),
-                capture: bool = typer.Option(True, "--capture/--no-capture", help="Record this key's traffic."),
-                default_model: str | None = typer.Option(None, help="Model for this key's requests that name none."),
-                allow_model_override: bool = typer.Option(
-                    False, "--allow-model-override", help="Let this key replace the model with the override header."),
-                config: str | None = ConfigOption) -> None:
-    """Create a key; the secret is printed once and stored only as a hash."""
-    settings = settings_or_exit(config)
-    secret = new_secret()
-    key_id = with_store(settings, lambda s: keys.create(s,
-        tenant=tenant, name=name, capture=capture, secret_hash=hash_secret(secret), default_model=default_model,
-        allow_model_override=allow_model_override))
-    typer.echo(f"id:     {key_id}\ntenant: {tenant}\nkey:    {secret}\n(the key is shown only now)")
-
-
-@keys_app.command("list")
-def keys_list(config: str | None = ConfigOption,
-              as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
-    """List keys (never their secrets)."""
-    rows = with_store(settings_or_exit(config), keys.list_keys)
-    if as_json:
-        typer.echo(orjson.dumps(rows).decode())
-        return
-    table = Table("id", "tenant", "name", "capture", "default model", "override", "created", "revoked")
-    for r in rows:
-        table.add_row(r["id"], r["tenant"], r["name"] or "", "yes" if r["capture"] else "no",
-                      r["default_model"] or "", "yes" if r["allow_model_override"] else "no",
-                      format_time(r["created_at"]), format_time(r["revoked_at"]) if r["revoked_at"] else "")
-    console.print(table)
-
-
-@keys_app.command("revoke")
-def keys_revoke(key_id: str, config: str | None = ConfigOption) -> None:
-    """Revoke a key by id."""
-    if not with_store(settings_or_exit(config), lambda s: keys.revoke(s, key_id)):
-        typer.echo(f"error: no active key with id {key_id}", err=True)
-        raise typer.Exit(1)
-    typer.echo(f"revoked {key_id}")
 
 
 @traj_app.command("list")

@@ -6,7 +6,9 @@ Completions, and the Responses API, which is translated to it) or ``anthropic`` 
 format, ``ModelCall.request`` and its replies are Chat Completions messages, which every reader (rewards, export,
 training) takes; a call that came through another API also keeps its exchange as it came, ``ModelCall.native``
 (``{"api", "request", "response"}``: the Messages API request and the Message answered, thinking signatures and
-all).
+all). The formats ``completions`` and ``embeddings`` (legacy text completions, embeddings) hold no conversation:
+their one call has no messages and its exchange in ``native`` alone (an embedding's vectors left out), so exports
+and training pass them by and the reward engine leaves them unscored.
 
 A model call is read in two depths: ``StoredCall``, as the store holds it (message bodies by key, token ids
 packed), and ``ModelCall``, whole (``StoredCall.to_model_call``: bodies in place, columns unpacked). Readers of
@@ -29,6 +31,11 @@ from replay.vocabulary import REFUSED_STATUSES
 
 CHAT = "chat"
 ANTHROPIC = "anthropic"
+# Calls passed through without a conversation: a raw prompt completed, texts embedded. Recorded without messages (so
+# exports and training, which read messages and replies, pass them by) and whole in ``ModelCall.native``.
+COMPLETIONS = "completions"
+EMBEDDINGS = "embeddings"
+CONVERSATIONS = frozenset({CHAT, ANTHROPIC})  # the formats whose calls hold messages to learn from and reward
 
 
 def content_text(content: Any) -> str | None:

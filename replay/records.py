@@ -78,6 +78,7 @@ class CallRecord:
     created_at: float = field(default_factory=time.time)
     # The exchange as it came through another API than chat completions: {"api", "request", "response"}.
     native: dict[str, Any] | None = None
+    cost_usd: float | None = None  # at the gateway's price table; None when the model has no price
 
 
 def split_choices(rec: CallRecord) -> list[CallRecord]:
@@ -108,6 +109,7 @@ def split_choices(rec: CallRecord) -> list[CallRecord]:
             completion_token_ids=_pick(rec.completion_token_ids, i),
             completion_logprobs=_pick(rec.completion_logprobs, i),
             completion_sampled_logprobs=_pick(rec.completion_sampled_logprobs, i),
+            cost_usd=rec.cost_usd if i == 0 else None,  # the request's cost, counted once, beside its usage
         ))
     return out
 

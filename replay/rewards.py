@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from replay import feedback
 from replay.filters import Filters
-from replay.model import Trajectory, content_text
+from replay.model import CONVERSATIONS, Trajectory, content_text
 from replay.records import Statement, WriteOp
 from replay.settings import RewardSettings
 from replay.signals import DEFAULT_STEP_LIMIT, SIGNALS, TrajectoryView
@@ -197,9 +197,10 @@ def view_of(t: Trajectory, *, step_limits: Mapping[str, int] | None = None) -> T
 
 async def load_view(store: TrajectoryStore, trajectory_id: str, *,
                     step_limits: Mapping[str, int] | None = None) -> TrajectoryView | None:
-    """``view_of`` a stored trajectory; None when there is no such trajectory."""
+    """``view_of`` a stored trajectory; None when there is no such trajectory, or it holds no conversation to reward
+    (a prompt completed, texts embedded)."""
     t = await store.get_trajectory(trajectory_id, all_tenants=True)
-    return None if t is None else view_of(t, step_limits=step_limits)
+    return None if t is None or t.format not in CONVERSATIONS else view_of(t, step_limits=step_limits)
 
 
 # -- storing -----------------------------------------------------------------------------------------

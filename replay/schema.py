@@ -281,6 +281,13 @@ MIGRATIONS: list[str] = [
     ALTER TABLE model_calls ADD COLUMN native_api TEXT;
     ALTER TABLE model_calls ADD COLUMN native_bodies TEXT;
     """,
+    # 12: what operators count: each call's cost (US dollars, at the gateway's price table when it was made), and a
+    # key's own limits (JSON, over the configured defaults). The usage index serves reports over a period.
+    """
+    ALTER TABLE model_calls ADD COLUMN cost_usd REAL;
+    ALTER TABLE api_keys ADD COLUMN limits TEXT;
+    CREATE INDEX model_calls_created ON model_calls(created_at);
+    """,
 ]
 
 # Where PostgreSQL's text differs by more than its types: migration number -> what it runs instead.

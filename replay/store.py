@@ -35,12 +35,14 @@ SHARED_BLOB_TRUST_SECONDS = 600.0
 
 class TrajectoryStore:
     def __init__(self, location: str, settings: StoreSettings | None = None, *,
-                 on_commit: Callable[[int, float], None] | None = None) -> None:
+                 on_commit: Callable[[int, float], None] | None = None,
+                 cost_of: Callable[[CallRecord], float | None] | None = None) -> None:
         """The store at ``location`` (an SQLite file, or a ``postgresql://`` URL), run as ``settings`` say
         (``[store]``; its defaults without it: the location is named apart because commands open other stores
         than the configured one)."""
         s = settings or StoreSettings()
         self.location = location
+        self._cost_of = cost_of  # a call's cost, priced as it is written
         self.db: Database = open_database(location, synchronous=s.synchronous, pool_size=s.pool_size)
         # The in-memory caches are bounded; a miss is an indexed look-up in the database, not a wrong answer.
         self._stitcher: Stitcher | SharedStitcher = (SharedStitcher(self.db) if self.db.shared  # type: ignore[arg-type]
@@ -87,6 +89,10 @@ class TrajectoryStore:
 
     async def write(self, op: WriteOp) -> None:
         """Queue calls and statements to commit together, and wait until they are durable."""
+        if self._cost_of is not None:
+            for rec in op.records:
+                if rec.cost_usd is None:
+                    rec.cost_usd = self._cost_of(rec)
         await self._writer.write(op)
 
     # -- reading -----------------------------------------------------------------------------------

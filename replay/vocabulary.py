@@ -23,6 +23,7 @@ TOOL_FAILURES = "tool_failures"
 LOOP_DETECTED = "loop_detected"
 CLIENT_DISCONNECTED = "client_disconnected"
 BACKEND_ERROR = "backend_error"
+BUDGET_EXCEEDED = "budget_exceeded"  # the limits of the key or tenant that started the run
 
 
 # Tool-call statuses meaning the call was not allowed to run as made (``retried``: the proxy guard sent an

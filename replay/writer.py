@@ -88,8 +88,8 @@ _INSERT_CALL = """
     INSERT INTO model_calls(id, trajectory_id, seq, created_at, backend, model, adapter, stream, request_messages,
         tools_hash, params, response, response_messages, status, error, prompt_tokens, completion_tokens,
         latency_ms, ttft_ms, prompt_token_ids, completion_token_ids, completion_logprobs, completion_sampled_logprobs,
-        native_api, native_bodies)
-    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"""
+        native_api, native_bodies, cost_usd)
+    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"""
 
 _INSERT_TOOL_CALL = """
     INSERT INTO tool_calls(id, trajectory_id, step, call_id, name, raw_arguments, parsed, repaired, valid,
@@ -272,6 +272,7 @@ class Writer:
                 rec.completion_tokens, rec.latency_ms, rec.ttft_ms, pack(rec.prompt_token_ids),
                 pack(rec.completion_token_ids), pack(rec.completion_logprobs), pack(rec.completion_sampled_logprobs),
                 native["api"] if native else None, orjson.dumps(native_keys).decode() if native_keys else None,
+                rec.cost_usd,
             ))
             tool_calls.extend(
                 (new_id(), ref.id, ref.seq, t["call_id"], t["name"], t["raw_arguments"], int(t["parsed"]),

@@ -17,6 +17,7 @@ from typing import Any
 import structlog
 
 from gateway.backends.base import AdapterNotLoaded, Backend, BackendError, ChatRequest, ChatResult, serves_adapters
+from gateway.backends.pool import BackendPool
 from gateway.errors import APIError
 from gateway.routing import Snapshot, Target
 from replay.adapters import AdapterRegistry, AdapterVersion
@@ -59,11 +60,21 @@ class AdapterManager:
 
     def lease(self, target: Target[Backend]) -> Backend:
         """The backend an adapter target's requests go through: it holds the version loaded while they run."""
-        assert target.adapter is not None
-        if not serves_adapters(target.backend):
+        version = target.adapter
+        assert version is not None
+
+        def leased(backend: Backend) -> Backend | None:
+            if not serves_adapters(backend):
+                return None
+            return AdapterBackend(backend, target.base, version, self)  # type: ignore[return-value]
+
+        # Of a pool, only the members that load adapters; each loads the version on its first request for it.
+        backend = target.backend.narrowed(leased) if isinstance(target.backend, BackendPool) else leased(
+            target.backend)
+        if backend is None:
             raise APIError(400, f"The backend serving '{target.base}' does not load adapters.", param="model",
                            code="adapter_not_supported")
-        return AdapterBackend(target.backend, target.base, target.adapter, self)  # type: ignore[return-value]
+        return backend
 
     def hosts_for(self, base: str) -> list[Backend]:
         return [b for b in self.hosts if base in b.models]

@@ -29,9 +29,10 @@ from gateway.agent.validation import CheckedCall, check_call
 from gateway.backends.base import Backend, BackendError, ChatRequest, ChatResult
 from gateway.budget import BudgetExhausted, cap_completion
 from gateway.config import ProfileSettings
+from gateway.quotas.admission import Hold, Meter, QuotaExceeded
 from replay.approvals import APPROVED, EXPIRED
 from replay.records import new_id
-from replay.vocabulary import BACKEND_ERROR, CLIENT_DISCONNECTED, DEADLINE, MAX_TOTAL_TOKENS
+from replay.vocabulary import BACKEND_ERROR, BUDGET_EXCEEDED, CLIENT_DISCONNECTED, DEADLINE, MAX_TOTAL_TOKENS
 from tools.executor import ToolOutcome
 from tools.spec import ToolSpec
 
@@ -153,9 +154,10 @@ class AgentLoop:
     def __init__(self, *, profile: Profile, backend: Backend, toolbox: AllowedTools, recorder: Recorder,
                  state: RunState, token_counter: ctx.TokenCounter | None = None,
                  on_event: Callable[[StepEvent], None] | None = None, hold_for_approval: bool = False,
-                 tenant: str | None = None) -> None:
+                 tenant: str | None = None, meter: Meter | None = None) -> None:
         self.profile = profile
         self.tenant = tenant  # whose run it is: the backend keeps its cached prompts apart from other tenants
+        self.meter = meter  # the limits of the key and tenant the run counts against
         self.backend = backend
         self.toolbox = toolbox
         self.recorder = recorder
@@ -327,14 +329,13 @@ class AgentLoop:
         return body
 
     async def _call_model(self, record: StepRecord, body: dict[str, Any], state_name: str) -> ChatResult:
-        self._hold_budget(body)
+        hold = await self._admit(body, self._hold_budget(body))
         self._emit(record, state_name, messages=len(body["messages"]))
         record.request = body
         started = time.perf_counter()
         timeout = self.limiter.seconds_left()
         try:
-            request = ChatRequest(body=body, model=self.profile.model, tenant=self.tenant)
-            result = await asyncio.wait_for(self.backend.chat(request), timeout)
+            result = await asyncio.wait_for(self._metered_chat(body, hold), timeout)
         except TimeoutError:
             record.error = "the deadline passed during the model call"
             await self._persist(record)
@@ -351,18 +352,41 @@ class AgentLoop:
         self.limiter.spent(result.response.get("usage"))
         return result
 
-    def _hold_budget(self, body: dict[str, Any]) -> None:
+    def _hold_budget(self, body: dict[str, Any]) -> int | None:
         """Before a call: its completion capped so that the run cannot spend past its token budget, or a
-        ``Termination`` when not one completion token fits."""
+        ``Termination`` when not one completion token fits. The prompt's tokens, where they were counted."""
         remaining = self.limiter.tokens_left()
         if remaining is None:
-            return
+            return None
         prompt = self.count_tokens(body["messages"], body.get("tools"))
         try:
             cap_completion(body, remaining=remaining, prompt_tokens=prompt)
         except BudgetExhausted as exc:
             raise Termination(MAX_TOTAL_TOKENS, f"{exc} (max_total_tokens {self.limiter.limits.max_total_tokens})") \
                 from None
+        return prompt
+
+    async def _admit(self, body: dict[str, Any], prompt: int | None) -> Hold | None:
+        """A model call held within the limits of the key (and tenant) that started the run: a run past them ends
+        ``budget_exceeded``."""
+        if self.meter is None:
+            return None
+        try:
+            return await self.meter.admit(body, lambda: prompt if prompt is not None else self.count_tokens(
+                body["messages"], body.get("tools")))
+        except QuotaExceeded as exc:
+            raise Termination(BUDGET_EXCEEDED, str(exc)) from None
+
+    async def _metered_chat(self, body: dict[str, Any], hold: Hold | None) -> ChatResult:
+        """The call, and its hold settled with what it spent (nothing, when it failed)."""
+        usage = None
+        try:
+            result = await self.backend.chat(ChatRequest(body=body, model=self.profile.model, tenant=self.tenant))
+            usage = result.response.get("usage")
+            return result
+        finally:
+            if self.meter is not None:
+                await self.meter.settle(hold, usage)
 
     def _needs_approval(self, name: str) -> bool:
         spec = self.toolbox.get(name)
@@ -387,8 +411,7 @@ class AgentLoop:
         body = {"model": self.profile.model, "messages": ctx.summary_request(split.middle), "max_tokens": 256}
         summary_record.request = body
         try:
-            self._hold_budget(body)
-            result = await self.backend.chat(ChatRequest(body=body, model=self.profile.model, tenant=self.tenant))
+            result = await self._metered_chat(body, await self._admit(body, self._hold_budget(body)))
             summary_record.result = result
             usage = result.response.get("usage") or {}
             self.state.budget.prompt_tokens += int(usage.get("prompt_tokens") or 0)

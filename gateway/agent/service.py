@@ -22,7 +22,9 @@ from gateway.backends.base import Backend
 from gateway.config import ConfigError, ProfileSettings
 from gateway.errors import APIError, model_not_found
 from gateway.keyed_lock import KeyedLock
-from replay import approvals, runs
+from gateway.quotas.admission import Meter
+from gateway.quotas.settings import Limits as KeyLimits
+from replay import approvals, keys, runs
 from replay.records import new_id
 from replay.store import TrajectoryStore
 from replay.vocabulary import AGENT
@@ -57,7 +59,9 @@ class AgentService:
     def __init__(self, *, profiles: list[ProfileSettings], store: TrajectoryStore, registry: ToolRegistry,
                  tool_context: ToolContext, backend_for: Callable[[str], Backend],
                  spawn: Callable[[Coroutine[Any, Any, Any]], None] | None = None,
-                 on_usage: Callable[[str, int, int], None] | None = None) -> None:
+                 on_usage: Callable[[str, int, int], None] | None = None,
+                 meter_for: Callable[[str | None, KeyLimits | None, str | None, str], Meter | None] | None = None
+                 ) -> None:
         self.profiles = {p.name: profile_from_settings(p) for p in profiles}
         self.store = store
         self.registry = registry
@@ -65,6 +69,8 @@ class AgentService:
         self.backend_for = backend_for
         self.spawn = spawn
         self.on_usage = on_usage  # (model, prompt tokens, completion tokens) of every model call a run makes
+        # (key id, the key's own limits, tenant, profile model) -> the limits a run's model calls count against
+        self.meter_for = meter_for
         self.approval_expiry_seconds = tool_context.settings.approval_expiry_seconds
         # This process among all that share the store: a host may run several, and a pid may come back.
         self.lease = runs.Lease(owner=f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}",
@@ -100,13 +106,14 @@ class AgentService:
         state = RunState(run_id=run_id or new_id(), profile=profile.name, messages=opening + list(messages))
         return self._loop(profile, state, tenant=principal.tenant, key_id=principal.key_id, source=source,
                           capture=principal.capture, metadata=metadata, on_event=on_event,
-                          hold_for_approval=hold_for_approval)
+                          hold_for_approval=hold_for_approval, key_limits=principal.limits)
 
     def _loop(self, profile: Profile, state: RunState, *, tenant: str | None, key_id: str | None, source: str,
               capture: bool = True, metadata: dict[str, Any] | None = None,
               on_event: Callable[[StepEvent], None] | None = None,
-              hold_for_approval: bool = False) -> tuple[AgentLoop, StoreRecorder]:
+              hold_for_approval: bool = False, key_limits: KeyLimits | None = None) -> tuple[AgentLoop, StoreRecorder]:
         backend = self.backend_for(profile.model)
+        meter = self.meter_for(key_id, key_limits, tenant, profile.model) if self.meter_for else None
         recorder = StoreRecorder(self.store, profile=profile, backend=backend.name, tenant=tenant, key_id=key_id,
                                  source=source, capture=capture, metadata=metadata,
                                  approval_expiry_seconds=self.approval_expiry_seconds, lease=self.lease,
@@ -115,7 +122,7 @@ class AgentService:
         # Count context with the backend's own tokenizer where it has one.
         loop = AgentLoop(profile=profile, backend=backend, toolbox=toolbox, recorder=recorder, state=state,
                          on_event=on_event, token_counter=getattr(backend, "count_tokens", None),
-                         hold_for_approval=hold_for_approval, tenant=tenant)
+                         hold_for_approval=hold_for_approval, tenant=tenant, meter=meter)
         return loop, recorder
 
     async def load(self, run_id: str) -> tuple[AgentLoop, StoreRecorder] | None:
@@ -129,8 +136,10 @@ class AgentService:
             log.warning("agent.profile_gone", trajectory_id=run_id, profile=row["profile"])
             return None
         state = RunState.from_dict(orjson.loads(row["state"]))
+        own = await keys.own_limits(self.store, row["key_id"]) if row["key_id"] else None
         loop, recorder = self._loop(profile, state, tenant=row["tenant"], key_id=row["key_id"],
-                                    source=row["source"], hold_for_approval=True)
+                                    source=row["source"], hold_for_approval=True,
+                                    key_limits=KeyLimits.model_validate(own) if own else None)
         loop.cancelled_as = ("interrupted", None)
         return loop, recorder
 

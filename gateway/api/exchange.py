@@ -18,6 +18,8 @@ from starlette.requests import ClientDisconnect
 
 from gateway.agent import guard
 from gateway.agent.validation import function_schemas
+from gateway.api.fallbacks import Renamed, with_fallbacks
+from gateway.api.limits import admit, prompt_counter
 from gateway.auth import Principal
 from gateway.backends.base import Backend, BackendError, ChatRequest, ChatResult, ChunkStream
 from gateway.context import RequestContext
@@ -86,6 +88,10 @@ class Exchange:
     # A surface of another API than chat completions: its call as that API saw it, from the completion answered
     # (None when there was none), kept with each record of the client's own request.
     native: Callable[[dict[str, Any] | None], dict[str, Any]] | None = None
+    # The pool member that answered (or failed last), where the backend is a pool; its records name it.
+    member: str | None = None
+    # Calls that failed before a fallback model was tried, recorded with whatever follows them.
+    failed: list[CallRecord] = field(default_factory=list)
 
     @property
     def backend(self) -> Backend:
@@ -118,7 +124,7 @@ class Exchange:
             requested_model=self.requested or self.parsed.model,
             base_model=self.target.base,
             adapter=self.target.adapter.backend_name if self.target.adapter else None,
-            backend=self.backend.name,
+            backend=self.member or self.backend.name,
             tools=self.body.get("tools"),
             params={**{k: self.body[k] for k in _PARAM_KEYS if k in self.body}, **self.labels},
             response=response,
@@ -150,6 +156,7 @@ async def open_exchange(ctx: RequestContext, principal: Principal, body: dict[st
     anchor = prefix[hashing.anchor_index(messages)]
     # A canary draw keyed by the session, else by the conversation's opening, keeps a trajectory on one version.
     target = gateway.router.route(parsed.model, sticky=session or anchor)
+    await admit(ctx, principal, target.base, body, prompt_counter(target.backend, messages, body.get("tools")))
     line = ctx.line
     line.model, line.backend, line.stream = parsed.model, target.backend.name, parsed.stream
     line.adapter = target.adapter.backend_name if target.adapter else None
@@ -180,7 +187,10 @@ async def complete(ctx: RequestContext, exchange: Exchange,
     records: list[CallRecord] = []
 
     async def answer() -> ChatResult:
-        result = await exchange.backend.chat(exchange.chat_request())
+        result = await with_fallbacks(ctx, exchange, lambda: exchange.backend.chat(exchange.chat_request()))
+        answered_by(ctx, exchange, result.backend)
+        if "fallback_from" in exchange.labels:
+            result.response["model"] = exchange.target.model
         if not exchange.body.get("tools"):  # nothing for the guard to check
             records.append(exchange.record(status="ok", response=result.response, result_extras=result.extras))
             return result
@@ -190,6 +200,7 @@ async def complete(ctx: RequestContext, exchange: Exchange,
         # Nobody waits for an answer once its client has gone: the backend's work is cancelled then.
         result = await unless_disconnected(ctx.request.receive, answer())
     except BackendError as exc:
+        answered_by(ctx, exchange, exc.backend)
         records.append(exchange.record(status="error", error=exc.message))
         await save(ctx, exchange, records)
         raise as_api_error(exc, exchange) from None
@@ -203,17 +214,28 @@ async def complete(ctx: RequestContext, exchange: Exchange,
 
 
 async def open_stream(ctx: RequestContext, exchange: Exchange) -> ChunkStream:
-    """Start a streamed completion; errors before the first chunk become ordinary HTTP errors."""
+    """Start a streamed completion; errors before the first chunk become ordinary HTTP errors (after a fallback
+    model, if one is configured, had its turn)."""
     try:
-        return await exchange.backend.stream(exchange.chat_request())
+        stream = await with_fallbacks(ctx, exchange, lambda: exchange.backend.stream(exchange.chat_request()))
     except BackendError as exc:
+        answered_by(ctx, exchange, exc.backend)
         await save(ctx, exchange, [exchange.record(status="error", error=exc.message)])
         raise as_api_error(exc, exchange) from None
+    answered_by(ctx, exchange, getattr(stream, "backend", None))
+    return Renamed(stream, exchange.target.model) if "fallback_from" in exchange.labels else stream
+
+
+def answered_by(ctx: RequestContext, exchange: Exchange, member: str | None) -> None:
+    """Name the pool member that answered (or failed last) in the records and the request's log and metrics."""
+    exchange.member = member
+    ctx.line.backend = member or exchange.backend.name
 
 
 async def save(ctx: RequestContext, exchange: Exchange, records: list[CallRecord],
                statements: Statements | None = None) -> None:
     """Commit an exchange's calls (and statements with them); a 502 or 503 when they cannot be recorded."""
+    records = [*exchange.failed, *records]
     if exchange.principal.capture and (records or statements):
         try:
             await ctx.gateway.store.write(WriteOp(records=records, statements=statements or []))
@@ -231,7 +253,7 @@ def record_disconnect(ctx: RequestContext, exchange: Exchange, records: list[Cal
     ctx.line.status_detail = "client_disconnected"
     if exchange.principal.capture:
         gateway = ctx.gateway
-        gateway.spawn(gateway.store.write(WriteOp(records=records)))
+        gateway.spawn(gateway.store.write(WriteOp(records=[*exchange.failed, *records])))
 
 
 async def _guard(ctx: RequestContext, exchange: Exchange, result: ChatResult, records: list[CallRecord]) -> ChatResult:
@@ -257,12 +279,16 @@ async def _guard(ctx: RequestContext, exchange: Exchange, result: ChatResult, re
 
 
 def account(ctx: RequestContext, exchange: Exchange, records: list[CallRecord]) -> None:
-    """The tokens of every call an exchange made (a guard's retries too), in the metrics and the request's log."""
+    """The tokens and cost of every call an exchange made (a guard's retries too), in the metrics, the request's log
+    and its settlement against the caller's limits."""
     prompt = sum(r.prompt_tokens for r in records)
     completion = sum(r.completion_tokens for r in records)
     ctx.gateway.metrics.count_tokens(exchange.parsed.model, prompt, completion)
+    costs = [ctx.gateway.pricing.price_record(r) for r in records]
     if prompt or completion:
         ctx.line.prompt_tokens, ctx.line.completion_tokens = prompt, completion
+    if any(c is not None for c in costs):
+        ctx.line.cost_usd = sum(c for c in costs if c is not None)
 
 
 class EventTranslator(Protocol):

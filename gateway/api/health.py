@@ -16,7 +16,9 @@ async def healthz(ctx: RequestContext) -> Response:
     return JSONResponse({"status": "ok", "models": sorted(gateway.model_map),
                          "store_queue_depth": gateway.store.queue_depth,
                          "adapters": gateway.adapter_manager.loaded(),
-                         "backends": gateway.adapter_manager.health})
+                         # Each backend's breaker and load, with an adapter server's last probe where it has one.
+                         "backends": {m.name: {**gateway.adapter_manager.health.get(m.name, {}), **m.status()}
+                                      for m in gateway.members}})
 
 
 async def metrics(ctx: RequestContext) -> Response:

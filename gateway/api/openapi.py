@@ -22,6 +22,8 @@ from gateway.bot.signing import NONCE, SIGNATURE, TIMESTAMP
 from gateway.context import RequestContext
 from gateway.protocol.agent_runs import AgentRunRequest
 from gateway.protocol.chat import ChatCompletionRequest
+from gateway.protocol.completions import CompletionRequest
+from gateway.protocol.embeddings import EmbeddingRequest
 from gateway.protocol.responses.validation import ResponsesRequest
 
 _STRING = {"type": "string"}
@@ -76,6 +78,9 @@ _SIGNED = [{"name": header, "in": "header", "required": True, "schema": _STRING}
 _OPERATIONS: dict[str, tuple[str, Any, int, list[dict[str, Any]]]] = {
     "chat": ("Create a chat completion (plain, streamed, or an agent run with model agent:<profile>)",
              "ChatCompletionRequest", 200, []),
+    "completions": ("Create a text completion (OpenAI's legacy completions: a raw prompt, plain or streamed)",
+                    "CompletionRequest", 200, []),
+    "embeddings": ("Create embeddings", "EmbeddingRequest", 200, []),
     "responses": ("Create a response (the Responses API)", "ResponsesRequest", 200, []),
     "response": ("Fetch a stored response", None, 200, []),
     "messages": ("Create a message (the Anthropic Messages API; errors in Anthropic's shape)", _MESSAGES, 200, []),
@@ -96,6 +101,9 @@ _OPERATIONS: dict[str, tuple[str, Any, int, list[dict[str, Any]]]] = {
         _query("status", {"enum": ["pending", "approved", "denied", "expired", "all"]}),
         _query("trajectory_id", _STRING)]),
     "admin_approval": ("Fetch an approval (admin)", None, 200, []),
+    "admin_usage": ("Requests, tokens and cost of the recorded calls (admin)", None, 200, [
+        _query("group", {"enum": ["key", "tenant", "model"]}), _query("since", _STRING), _query("until", _STRING),
+        _query("by", {"enum": ["day"]}), _query("tenant", _STRING)]),
     "admin_approval_decide": ("Approve or deny a write action (admin)", _DECISION, 200, []),
     "bot_messages": ("Post a chat message to the bot (signed)", _BOT_MESSAGE, 200, _SIGNED),
     "bot_message": ("Poll a bot message (signed)", None, 200, _SIGNED),
@@ -110,8 +118,9 @@ _OPERATIONS: dict[str, tuple[str, Any, int, list[dict[str, Any]]]] = {
 }
 _PATH_ENUMS = {("admin_adapter_action", "action"): ["publish", "promote", "rollback", "retire"],
                ("admin_approval_decide", "action"): ["approve", "deny"]}
-_STREAMS = {"chat", "responses", "messages"}
-_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, ResponsesRequest, AgentRunRequest)
+_STREAMS = {"chat", "completions", "responses", "messages"}
+_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, ResponsesRequest, AgentRunRequest, CompletionRequest,
+                                        EmbeddingRequest)
 
 
 def _components() -> dict[str, Any]:

@@ -41,6 +41,7 @@ class CallExtras:
 class ChatResult:
     response: dict[str, Any]  # an OpenAI ``chat.completion`` object
     extras: CallExtras = field(default_factory=CallExtras)
+    backend: str | None = None  # set by a pool: the member that answered
 
     @property
     def message(self) -> dict[str, Any]:
@@ -52,7 +53,8 @@ class ChunkStream(Protocol):
     """An async iterator of OpenAI ``chat.completion.chunk`` dicts.
 
     ``extras`` is complete once iteration has ended; ``aclose`` stops the generation early
-    (a client went away) and releases what it holds.
+    (a client went away) and releases what it holds. A pool's stream also names the member it comes from in
+    ``backend`` (``gateway/backends/pool.py``).
     """
 
     extras: CallExtras
@@ -101,6 +103,32 @@ def serves_adapters(backend: Backend) -> bool:
     return callable(getattr(backend, "load_adapter", None))
 
 
+class CompletionsHost(Protocol):
+    """A backend that serves OpenAI's legacy text completions (``apis`` lists ``completions``). The request's
+    ``body`` is a ``/v1/completions`` body; the result's ``response`` a ``text_completion`` object, and a stream's
+    chunks ``text_completion`` chunks (the last with ``usage``)."""
+
+    apis: frozenset[str]  # from ``[[backends]] apis``: which of OpenAI's APIs besides chat it serves
+
+    async def completions(self, request: ChatRequest) -> ChatResult: ...
+
+    async def stream_completions(self, request: ChatRequest) -> ChunkStream: ...
+
+
+class EmbeddingsHost(Protocol):
+    """A backend that serves embeddings (``apis`` lists ``embeddings``): a ``/v1/embeddings`` body in, OpenAI's
+    ``list`` of embeddings out."""
+
+    apis: frozenset[str]
+
+    async def embeddings(self, request: ChatRequest) -> dict[str, Any]: ...
+
+
+def serves_api(backend: Backend, api: str) -> bool:
+    """Whether ``backend`` serves ``api`` (``completions``, ``embeddings``) besides chat."""
+    return api in getattr(backend, "apis", ())
+
+
 class BackendError(Exception):
     """A backend could not produce a completion; carries the HTTP status and OpenAI error fields."""
 
@@ -117,6 +145,7 @@ class BackendError(Exception):
             self.error_type = error_type
         self.code = code
         self.param = param
+        self.backend: str | None = None  # set by a pool: the member that failed last
 
 
 class BackendUnavailable(BackendError):

@@ -82,13 +82,13 @@ class OpenAICompatBackend(HTTPBackend):
             body.pop("stream_options", None)
         return body
 
-    async def _send(self, body: dict[str, Any], stream: bool) -> tuple[UpstreamResponse, bytes]:
+    async def _send(self, body: dict[str, Any], stream: bool,
+                    path: str = "/chat/completions") -> tuple[UpstreamResponse, bytes]:
         """The upstream's response, with its whole body when not streaming (read under the size cap)."""
         content = orjson.dumps(body)
 
         async def attempt() -> tuple[UpstreamResponse, bytes]:
-            response = await self.client.open("POST", "/chat/completions", content,
-                                              {"Content-Type": "application/json"})
+            response = await self.client.open("POST", path, content, {"Content-Type": "application/json"})
             if response.status >= 400:
                 error = _upstream_error(response, await response.read(ERROR_BODY_BYTES, truncate=True))
                 raise Retry(error) if response.status in RETRY_STATUSES else error
@@ -100,18 +100,37 @@ class OpenAICompatBackend(HTTPBackend):
         return await self.with_retries(attempt)
 
     async def chat(self, request: ChatRequest) -> ChatResult:
-        _, content = await self._send(self._body(request, stream=False), stream=False)
+        return ChatResult(response=await self._answer(self._body(request, stream=False), "/chat/completions",
+                                                       "choices"))
+
+    async def stream(self, request: ChatRequest) -> UpstreamStream:
+        return await self._stream(self._body(request, stream=True), "/chat/completions")
+
+    # The legacy text completions and embeddings, passed through as they came (``apis``).
+
+    async def completions(self, request: ChatRequest) -> ChatResult:
+        return ChatResult(response=await self._answer(self._body(request, stream=False), "/completions", "choices"))
+
+    async def stream_completions(self, request: ChatRequest) -> UpstreamStream:
+        return await self._stream(self._body(request, stream=True), "/completions")
+
+    async def embeddings(self, request: ChatRequest) -> dict[str, Any]:
+        return await self._answer({**request.body, "model": self.upstream_model(request)}, "/embeddings", "data")
+
+    async def _answer(self, body: dict[str, Any], path: str, holds: str) -> dict[str, Any]:
+        """A whole answer, which must be a JSON object with the list ``holds``."""
+        _, content = await self._send(body, stream=False, path=path)
         try:
             data = orjson.loads(content)
         except orjson.JSONDecodeError:
             raise BadGateway(f"backend {self.name!r} returned a body that is not JSON") from None
-        if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
-            raise BadGateway(f"backend {self.name!r} returned JSON without 'choices'")
+        if not isinstance(data, dict) or not isinstance(data.get(holds), list):
+            raise BadGateway(f"backend {self.name!r} returned JSON without '{holds}'")
         _bounded(data, self.name)
-        return ChatResult(response=data)
+        return data
 
-    async def stream(self, request: ChatRequest) -> UpstreamStream:
-        response, _ = await self._send(self._body(request, stream=True), stream=True)
+    async def _stream(self, body: dict[str, Any], path: str) -> UpstreamStream:
+        response, _ = await self._send(body, stream=True, path=path)
         return UpstreamStream(response, self.name, self.settings.max_response_bytes)
 
 

@@ -174,6 +174,7 @@ class HTTPBackend:
         self.settings = settings
         self.name = settings.name
         self.models = list(settings.models)
+        self.apis = frozenset(settings.apis or ())
         self._client: UpstreamClient | None = None
 
     def client_headers(self) -> dict[str, str]:
@@ -191,6 +192,16 @@ class HTTPBackend:
     def client(self) -> UpstreamClient:
         assert self._client is not None, "backend not started"
         return self._client
+
+    async def check_health(self) -> None:
+        """Probe the upstream (``GET {base_url}/models``, never retried): a ``BackendError`` when it cannot be
+        reached or answers a 5xx. Any other answer, a 401 or a 404 included, shows a server that is up."""
+        try:
+            reply = await (await self.client.open("GET", "/models")).reply(ERROR_BODY_BYTES, truncate=True)
+        except Unreached as exc:
+            raise exc.error from None
+        if reply.status >= 500:
+            raise BackendUnavailable(f"backend {self.name!r} answered its health check with {reply.status}")
 
     async def with_retries(self, attempt: Callable[[], Awaitable[T]]) -> T:
         """``attempt()`` until it returns, raises anything but ``Retry``/``Unreached``, or the attempts run out.

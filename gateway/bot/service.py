@@ -29,7 +29,7 @@ from gateway.agent.recording import StoreRecorder
 from gateway.agent.service import AgentService
 from gateway.auth import Principal
 from gateway.bot.platform import DeliveryError, Incoming, Platform
-from gateway.config import BotSettings
+from gateway.bot.settings import BotSettings
 from gateway.errors import APIError
 from gateway.keyed_lock import KeyedLock
 from replay import bot_messages, feedback

@@ -24,8 +24,8 @@ from gateway.api.common import json_response, parse_json, read_body
 from gateway.api.trajectories import feedback_row
 from gateway.bot.platform import DeliveryError, Incoming
 from gateway.bot.service import BotService
+from gateway.bot.settings import BotSettings
 from gateway.bot.signing import SignatureError, signed_headers, verify
-from gateway.config import BotSettings
 from gateway.context import access_line
 from gateway.errors import APIError
 from replay import bot_messages, keys

@@ -27,7 +27,8 @@ from gateway.api.common import read_body
 from gateway.bot import wecom_crypto
 from gateway.bot.platform import DeliveryError, Incoming
 from gateway.bot.service import BotService
-from gateway.config import ConfigError, WeComSettings
+from gateway.bot.settings import WeComSettings
+from gateway.config import ConfigError
 from gateway.context import access_line
 from gateway.errors import APIError
 from replay import bot_messages

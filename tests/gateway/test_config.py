@@ -84,6 +84,8 @@ def test_config_path_from_environment(tmp_path: Path) -> None:
     ("[[backends]]\nname = 'a'\nkind = 'carrier-pigeon'\nbase_url='http://x'\nmodels=['m']\n", "backends.0.kind"),
     ("[server\n", "invalid TOML"),
     ("[[backends]]\nname = 'a'\nbase_url = 'http://x'\nmodels = ['agent:x']\n", "prefix names agent profiles"),
+    ("[routing.fallbacks]\nm = ['agent:x']\n", "not to agent profiles"),
+    ("[[backends]]\nname = 'a'\nbase_url = 'http://x'\nmodels = ['m']\nweight = 0\n", "backends.0.weight"),
 ])
 def test_bad_config_names_the_problem(tmp_path: Path, text: str, needle: str) -> None:
     cfg = tmp_path / "h.toml"

@@ -514,3 +514,22 @@ def test_cli_refuses_a_bad_store(tmp_path: Path) -> None:
         db.execute("PRAGMA user_version = 999")
     out = runner.invoke(_cli(), ["rewards", "--store", str(newer)])
     assert out.exit_code == 1 and "newer than this program knows" in out.output
+
+
+async def test_calls_without_a_conversation_are_left_unscored(store: TrajectoryStore) -> None:
+    """A prompt completed or texts embedded hold no conversation: nothing for the signals to judge."""
+    chat = CallRecord(trajectory=TrajectoryRef(new_id(), 0, True), request_prefix=[], status="ok",
+                      request_messages=[{"role": "user", "content": "hi"}],
+                      response={"choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"},
+                                             "finish_reason": "stop"}]})
+    native = [CallRecord(trajectory=TrajectoryRef(new_id(), 0, True), request_messages=[], request_prefix=[],
+                         status="ok", response={"object": kind, "usage": {"prompt_tokens": 2}}, prompt_tokens=2,
+                         native={"api": api, "request": {"model": "m"}, "response": {"object": kind}})
+              for api, kind in (("completions", "text_completion"), ("embeddings", "list"))]
+    await store.write(WriteOp(records=[chat, *native]))
+    summary = await recompute(store, Filters(), RewardSettings())
+    assert (summary.count, summary.skipped) == (1, 2)
+    for rec in native:
+        t = await store.get_trajectory(rec.trajectory.id, all_tenants=True)
+        assert t is not None and t.format == rec.native["api"] and t.final_reward is None
+    assert (await store.get_trajectory(chat.trajectory.id, all_tenants=True)).final_reward is not None

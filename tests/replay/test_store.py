@@ -377,6 +377,8 @@ async def test_a_store_from_before_the_search_index_is_searchable_after_its_upgr
             ALTER TABLE trajectories DROP COLUMN next_seq; ALTER TABLE agent_runs DROP COLUMN lease_owner;
             ALTER TABLE agent_runs DROP COLUMN lease_expires_at; ALTER TABLE blobs DROP COLUMN stored_at;
             ALTER TABLE model_calls DROP COLUMN native_api; ALTER TABLE model_calls DROP COLUMN native_bodies;
+            DROP INDEX model_calls_created; ALTER TABLE model_calls DROP COLUMN cost_usd;
+            ALTER TABLE api_keys DROP COLUMN limits;
             PRAGMA user_version = 9;""")
     store = await _open(tmp_path / "old.db")
     try:

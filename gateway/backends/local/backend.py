@@ -42,16 +42,18 @@ from gateway.backends.local.replies import (
     Events,
     LocalChunkStream,
     Prepared,
+    TextCompletionStream,
     completion_id,
     events,
     final_message,
     logprobs_of,
     usage,
 )
-from gateway.backends.local.request import check_parameters, tools_for
+from gateway.backends.local.request import check_completion_parameters, check_parameters, tools_for
 from gateway.backends.local.sampling import SamplingParams, invalid_request
 from gateway.config import LOCAL_MAX_OUTPUT_TOKENS, BackendSettings
 from gateway.prompting import encode_prompt
+from gateway.protocol.completions import text_completion
 
 log = structlog.get_logger()
 
@@ -65,6 +67,7 @@ class LocalBackend:
     def __init__(self, settings: BackendSettings) -> None:
         self.name = settings.name
         self.models = list(settings.models)
+        self.apis = frozenset(settings.apis or ())
         self._settings = settings
         self._loaded: LoadedModel | None = None
         self._engine: Engine | None = None
@@ -300,8 +303,42 @@ class LocalBackend:
         self._wakeup.set()
         return job, queue
 
+    async def _prepare_text(self, request: ChatRequest) -> Prepared:
+        """A ``/v1/completions`` request: its prompt as it is, no chat template, and the sampling it asks for."""
+        self._adapter(request.adapter)  # fail fast, as for chat
+        body = request.body
+        prompt = check_completion_parameters(body)
+        params = SamplingParams.from_body(body)
+        tokenizer = self.loaded.tokenizer
+        if isinstance(prompt, str):
+            prompt_ids = await asyncio.to_thread(tokenizer.encode, prompt)
+        elif any(t >= len(tokenizer) for t in prompt):
+            raise invalid_request(f"the prompt holds a token id past this model's vocabulary of {len(tokenizer)}",
+                                  "prompt")
+        else:
+            prompt_ids = list(prompt)
+        limit = self.loaded.context_length
+        if not prompt_ids:
+            raise invalid_request("the prompt is empty: there is nothing to complete", "prompt")
+        if len(prompt_ids) >= limit:
+            raise invalid_request(f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit} tokens",
+                                  "prompt", "context_length_exceeded")
+        _check_room(body, params.max_tokens, len(prompt_ids), limit)
+        return Prepared(prompt_ids, params, False, request.adapter)
+
     async def chat(self, request: ChatRequest) -> ChatResult:
-        prepared = await self._prepare(request)
+        return await self._generate(await self._prepare(request), request)
+
+    async def completions(self, request: ChatRequest) -> ChatResult:
+        """A raw prompt completed: the chat path's generation, its answer written as a ``text_completion``."""
+        result = await self._generate(await self._prepare_text(request), request)
+        return ChatResult(response=text_completion(result.response), extras=result.extras)
+
+    async def stream_completions(self, request: ChatRequest) -> TextCompletionStream:
+        prepared = await self._prepare_text(request)
+        return TextCompletionStream(LocalChunkStream(*self._submit(prepared, request.tenant), prepared, request.model))
+
+    async def _generate(self, prepared: Prepared, request: ChatRequest) -> ChatResult:
         job, queue = self._submit(prepared, request.tenant)
         n = prepared.params.n
         tokens: list[list[Token]] = [[] for _ in range(n)]

@@ -16,6 +16,7 @@ from gateway.agent.parsing import ToolCallStreamFilter, parse_tool_calls
 from gateway.backends.base import CallExtras
 from gateway.backends.local.jobs import Failure, Finish, Job, JobEvent, Token
 from gateway.backends.local.sampling import SamplingParams
+from gateway.protocol.completions import text_completion_chunk
 
 
 @dataclass(frozen=True)
@@ -160,3 +161,23 @@ class LocalChunkStream:
             yield {**self._header, "choices": [], "usage": usage(self._prepared.prompt_ids, ids)}
         finally:
             self._job.cancelled = True
+
+
+class TextCompletionStream:
+    """A raw prompt's chunk stream as ``text_completion`` chunks (see ``CompletionsHost``)."""
+
+    def __init__(self, chunks: LocalChunkStream) -> None:
+        self._chunks = chunks
+        self.extras = chunks.extras
+
+    def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+        return self._translated()
+
+    async def _translated(self) -> AsyncIterator[dict[str, Any]]:
+        async for chunk in self._chunks:
+            out = text_completion_chunk(chunk)
+            if out is not None:
+                yield out
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()

@@ -53,3 +53,34 @@ def tools_for(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, str]:
     if choice == "required":
         return tools, "required"
     return tools, "checked" if body.get("constrain_tool_calls") else "free"
+
+
+# A raw-prompt completion (``/v1/completions``): the sampling parameters it shares with chat, and those of the legacy
+# API this engine cannot honour unless they are left at what asks for nothing.
+COMPLETION_ACCEPTED = frozenset({
+    "model", "prompt", "stream", "stream_options", "n", "temperature", "top_p", "max_tokens", "stop", "seed",
+    "frequency_penalty", "presence_penalty", "logit_bias", "user", "ignore_eos",
+})
+_COMPLETION_IDLE: dict[str, tuple[object, ...]] = {"echo": (None, False), "suffix": (None,), "logprobs": (None,)}
+
+
+def check_completion_parameters(body: dict[str, Any]) -> str | list[int]:
+    """The one prompt of a ``/v1/completions`` body (text, or token ids), after a 400 naming the first parameter this
+    engine would otherwise have to ignore. Several prompts in one request are refused: each would be a job of its
+    own, and the answer's choices would have to be interleaved by prompt."""
+    for key, value in body.items():
+        if key in COMPLETION_ACCEPTED or value in _COMPLETION_IDLE.get(key, ()):
+            continue
+        if key == "best_of" and value in (None, body.get("n", 1)):
+            continue
+        if key in _COMPLETION_IDLE or key == "best_of":
+            raise invalid_request(f"Unsupported parameter: '{key}' is not supported by the embedded model.", key,
+                                  "unsupported_parameter")
+        raise invalid_request(f"Unrecognized request argument supplied: {key}", key, "unknown_parameter")
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+        return prompt
+    if isinstance(prompt, list) and len(prompt) == 1:
+        return prompt[0]
+    raise invalid_request("The embedded model completes one prompt per request; send each prompt on its own.",
+                          "prompt", "unsupported_value")

@@ -15,6 +15,8 @@ from gateway.config import load_settings
 from gateway.errors import APIError
 from gateway.protocol.agent_runs import validate_agent_run
 from gateway.protocol.chat import validate_chat_request
+from gateway.protocol.completions import validate_completion_request
+from gateway.protocol.embeddings import validate_embedding_request
 from gateway.protocol.responses.validation import validate_responses_request
 from tests.processes import upstream_config
 
@@ -52,6 +54,8 @@ def test_every_route_is_documented_with_the_error_envelope(app: Any) -> None:
     ("POST /v1/chat/completions", validate_chat_request, 0.15),
     ("POST /v1/responses", validate_responses_request, 0.3),
     ("POST /v1/agent/runs", validate_agent_run, 0.3),
+    ("POST /v1/completions", validate_completion_request, 0.25),
+    ("POST /v1/embeddings", validate_embedding_request, 0.25),
 ])
 def test_bodies_generated_from_the_schema_are_mostly_accepted(app: Any, operation: str, check: Any,
                                                               least: float) -> None:
