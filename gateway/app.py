@@ -47,7 +47,7 @@ from gateway.errors import APIError, error_response, store_unavailable
 from gateway.metrics import Metrics
 from gateway.quotas.admission import Quotas
 from gateway.quotas.counters import open_counters
-from gateway.quotas.pricing import Pricing, check_key_budgets
+from gateway.quotas.pricing import Pricing
 from gateway.routing import Caller, Router
 from replay.adapters import AdapterRegistry
 from replay.database import StoreUnavailable, redact_url
@@ -134,7 +134,6 @@ class Gateway:
 
     async def _start(self) -> None:
         await self.store.start()
-        await check_key_budgets(self.store, self.settings.backends, self.settings.prices)
         for backend in self.backends:
             await backend.start()
         await self.bot.recover()

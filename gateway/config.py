@@ -267,7 +267,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_prices(self) -> Settings:
-        missing = unpriced((m for b in self.backends for m in b.models), self.prices) if self.limits.in_money else []
+        missing = unpriced(self.backends, self.prices) if self.limits.in_money else []
         if missing:
             raise ValueError(f"[limits] sets a budget in money, but these models have no [prices] entry to count it "
                              f"with: {', '.join(missing)}")

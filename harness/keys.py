@@ -37,15 +37,16 @@ _CLEAR = typer.Option(None, "--clear", help="Drop this key's own limit (a flag s
                       "configured default applies again.")
 
 
-def _own_limits(settings: Settings, given: dict[str, float | None]) -> dict[str, Any]:
-    """The limits given on the command line, checked as the config's are."""
-    own = {name: value for name, value in given.items() if value is not None}
+def _own_limits(settings: Settings, *given: float | None) -> dict[str, Any]:
+    """The limits given on the command line (one value per ``_LIMIT_FLAGS`` entry, in its order), checked as the
+    config's are."""
+    own = {name: value for (name, _, _), value in zip(_LIMIT_FLAGS, given, strict=True) if value is not None}
     try:
         Limits.model_validate(own)
     except ValidationError as exc:
         fail("; ".join(f"--{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()), 2)
     if any(name.startswith("usd_") for name in own):
-        missing = unpriced((m for b in settings.backends for m in b.models), settings.prices)
+        missing = unpriced(settings.backends, settings.prices)
         if missing:
             fail(f"a budget in money needs a [prices] entry for every model; none for: {', '.join(missing)}", 2)
     return own
@@ -73,8 +74,7 @@ def keys_create(tenant: str = typer.Option(..., help="Tenant this key belongs to
                 config: str | None = ConfigOption) -> None:
     """Create a key; the secret is printed once and stored only as a hash. Limits not given are \\[limits.key]'s."""
     settings = settings_or_exit(config)
-    own = _own_limits(settings, dict(zip((f for f, _, _ in _LIMIT_FLAGS), (
-        rpm, tpm, max_concurrent, tokens_per_day, tokens_per_month, usd_per_day, usd_per_month), strict=True)))
+    own = _own_limits(settings, rpm, tpm, max_concurrent, tokens_per_day, tokens_per_month, usd_per_day, usd_per_month)
     secret = new_secret()
     key_id = with_store(settings, lambda s: keys.create(s,
         tenant=tenant, name=name, capture=capture, secret_hash=hash_secret(secret), default_model=default_model,
@@ -95,8 +95,7 @@ def keys_update(key_id: str,
                 config: str | None = ConfigOption) -> None:
     """Change a key's own limits. A running gateway sees the change within \\[server] auth_cache_seconds."""
     settings = settings_or_exit(config)
-    own = _own_limits(settings, dict(zip((f for f, _, _ in _LIMIT_FLAGS), (
-        rpm, tpm, max_concurrent, tokens_per_day, tokens_per_month, usd_per_day, usd_per_month), strict=True)))
+    own = _own_limits(settings, rpm, tpm, max_concurrent, tokens_per_day, tokens_per_month, usd_per_day, usd_per_month)
     by_flag = {flag: field for field, flag, _ in _LIMIT_FLAGS}
     clear = clear or []
     unknown = [c for c in clear if c != "all" and by_flag.get(c if c.startswith("--") else f"--{c}") is None]

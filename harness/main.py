@@ -16,6 +16,7 @@ from extras import MissingExtra
 from gateway.auth import is_loopback
 from gateway.config import ConfigError
 from gateway.quotas.pricing import check_key_budgets
+from gateway.quotas.settings import unpriced
 from harness.adapters import app as adapters_app
 from harness.approvals import app as approvals_app
 from harness.config import app as config_app
@@ -70,7 +71,9 @@ def serve(config: str | None = ConfigOption, host: str | None = HostOption, port
                        err=True)
             raise typer.Exit(2)
     try:
-        with_store(settings, lambda s: check_key_budgets(s, settings.backends, settings.prices))
+        missing = unpriced(settings.backends, settings.prices)
+        if missing:  # keys' own budgets in money are read only when some model could not count them
+            with_store(settings, lambda s: check_key_budgets(s, missing))
         application = build_app(settings)
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 
-from gateway.backends.base import Backend, BackendError, CallExtras, ChunkStream
+from gateway.backends.base import Backend, BackendError, ChunkStream, StreamView
 from gateway.context import RequestContext
 from gateway.errors import APIError
 from gateway.routing import Caller, Target
@@ -73,24 +73,13 @@ def _next_target(ctx: RequestContext, requested: str, remaining: list[str]) -> T
     return None
 
 
-class Renamed:
+class Renamed(StreamView):
     """A fallback's chunk stream, each chunk naming the model that answered."""
 
     def __init__(self, stream: ChunkStream, model: str) -> None:
-        self._stream = stream
+        super().__init__(stream)
         self._model = model
-        self.backend: str | None = getattr(stream, "backend", None)
-
-    @property
-    def extras(self) -> CallExtras:
-        return self._stream.extras
-
-    def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
-        return self._chunks()
 
     async def _chunks(self) -> AsyncIterator[dict[str, Any]]:
         async for chunk in self._stream:
             yield {**chunk, "model": self._model}
-
-    async def aclose(self) -> None:
-        await self._stream.aclose()

@@ -64,6 +64,28 @@ class ChunkStream(Protocol):
     async def aclose(self) -> None: ...
 
 
+class StreamView:
+    """Another stream's chunks, as a subclass's ``_chunks`` passes them on; its extras, its end, and the member
+    of a pool it came from (``backend``) are the wrapped stream's."""
+
+    def __init__(self, stream: ChunkStream) -> None:
+        self._stream = stream
+        self.backend: str | None = getattr(stream, "backend", None)
+
+    @property
+    def extras(self) -> CallExtras:
+        return self._stream.extras
+
+    def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+        return self._chunks()
+
+    def _chunks(self) -> AsyncIterator[dict[str, Any]]:
+        return self._stream.__aiter__()
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
 class Backend(Protocol):
     name: str
     models: list[str]

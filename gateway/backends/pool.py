@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from gateway.backends.base import Backend, BackendError, CallExtras, ChatRequest, ChatResult, ChunkStream
+from gateway.backends.base import Backend, BackendError, ChatRequest, ChatResult, ChunkStream, StreamView
 from gateway.backends.breaker import Breaker
 from gateway.config import BackendSettings, RoutingSettings
 from tools.settings import ConfigError
@@ -177,21 +177,14 @@ class BackendPool:
 _CLOSED_EARLY = ConnectionAbortedError("the stream was closed before its end")
 
 
-class MemberStream:
+class MemberStream(StreamView):
     """A member's chunk stream that keeps the member taken until it ends, and names it in ``backend``."""
 
     def __init__(self, stream: ChunkStream, member: Member) -> None:
-        self._stream = stream
+        super().__init__(stream)
         self._member = member
         self._released = False
         self.backend = member.name
-
-    @property
-    def extras(self) -> CallExtras:
-        return self._stream.extras
-
-    def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
-        return self._chunks()
 
     async def _chunks(self) -> AsyncIterator[dict[str, Any]]:
         failure: BaseException | None = None

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from gateway.quotas.settings import check_counter_storage
+from gateway.quotas.settings import CounterStorage
 from tools.settings import AllowHosts, Networks, Section
 
 
@@ -42,8 +42,9 @@ class BotSettings(Section):
                                             "timestamp and the gateway's clock.")
     rate_limit_messages: int = Field(20, ge=0, description="Messages one user may send per window (0: no limit).")
     rate_limit_window_seconds: float = Field(60.0, gt=0, description="The rate limit's window.")
-    rate_limit_storage: str = Field("memory://", description="Where the rate limit counts messages: memory:// "
-                                    "(each process alone) or a redis://host:port/db URL that replicas share.")
+    rate_limit_storage: CounterStorage = Field("memory://", description="Where the rate limit counts messages: "
+                                               "memory:// (each process alone) or a redis://host:port/db URL that "
+                                               "replicas share.")
     callback_allow_hosts: AllowHosts = Field(default_factory=list, description="Callback hosts allowed even at "
                                             "private addresses.")
     callback_allow_networks: Networks = Field(default_factory=list, description="CIDR ranges callbacks may "
@@ -56,8 +57,3 @@ class BotSettings(Section):
                                  "below.")
     # Filled from secret_env at load time.
     secret: str | None = Field(None, exclude=True)
-
-    @field_validator("rate_limit_storage")
-    @classmethod
-    def _check_rate_limit_storage(cls, value: str) -> str:
-        return check_counter_storage(value)

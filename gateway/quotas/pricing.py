@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from gateway.quotas.settings import Price, unpriced
+from gateway.quotas.settings import Price
 from replay import keys
 from replay.records import CallRecord
 from tools.settings import ConfigError
 
 if TYPE_CHECKING:
-    from gateway.config import BackendSettings
     from replay.store import TrajectoryStore
 
 MICRO = 1_000_000  # budgets in money are counted in millionths of a dollar: counters hold integers
@@ -43,27 +41,27 @@ class Pricing:
             cached = int(usage.get("cache_read_input_tokens") or 0)
             prompt = int(usage.get("input_tokens") or 0) + cached + int(usage.get("cache_creation_input_tokens") or 0)
             return self.cost(model, prompt, int(usage.get("output_tokens") or 0), cached)
-        details = usage.get("prompt_tokens_details") or {}
         return self.cost(model, int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
-                         int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0)
+                         _cached_tokens(usage))
 
     def price_record(self, record: CallRecord) -> float | None:
         """A recorded call's cost, kept on the record (priced once: the store keeps what it was given)."""
         if record.cost_usd is None:
-            usage = (record.response or {}).get("usage") or {}
-            details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-            cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
-            record.cost_usd = self.cost(record.base_model, record.prompt_tokens, record.completion_tokens, cached)
+            usage = (record.response or {}).get("usage")
+            record.cost_usd = self.cost(record.base_model, record.prompt_tokens, record.completion_tokens,
+                                        _cached_tokens(usage) if isinstance(usage, dict) else 0)
         return record.cost_usd
 
 
-async def check_key_budgets(store: TrajectoryStore, backends: Iterable[BackendSettings],
-                            prices: dict[str, Price]) -> None:
+def _cached_tokens(usage: dict[str, Any]) -> int:
+    """OpenAI's count of prompt tokens served from the upstream's cache."""
+    details = usage.get("prompt_tokens_details")
+    return int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+
+
+async def check_key_budgets(store: TrajectoryStore, missing: list[str]) -> None:
     """A key's own budget in money needs a price for every model, as a configured one does: a ``ConfigError`` at
-    start-up rather than a budget that cannot be counted."""
-    missing = unpriced((m for b in backends for m in b.models), prices)
-    if not missing:
-        return
+    start-up, naming the keys and the ``missing`` prices, rather than a budget that cannot be counted."""
     in_money = [row["id"] for row in await keys.list_keys(store)
                 if row["revoked_at"] is None and row["limits"] and "usd_per" in row["limits"]]
     if in_money:

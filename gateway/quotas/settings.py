@@ -4,9 +4,10 @@ cost)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Annotated, Protocol
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import AfterValidator, Field
 
 from tools.settings import Section
 
@@ -29,6 +30,10 @@ def check_counter_storage(value: str) -> str:
     return value
 
 
+# memory:// or a Redis URL, checked at load.
+CounterStorage = Annotated[str, AfterValidator(check_counter_storage)]
+
+
 class Limits(Section):
     """One scope's limits (an API key's or a tenant's); a limit left out is no limit."""
 
@@ -45,28 +50,19 @@ class Limits(Section):
         return below.model_copy(update=self.model_dump(exclude_none=True))
 
     @property
-    def any(self) -> bool:
-        return any(value is not None for value in self.model_dump().values())
-
-    @property
     def in_money(self) -> bool:
         return self.usd_per_day is not None or self.usd_per_month is not None
 
 
 class LimitsSettings(Section):
-    storage: str = Field("memory://", description="Where the counters live: memory:// (this process alone) or a "
-                         "redis://host:port/db URL that replicas share.")
+    storage: CounterStorage = Field("memory://", description="Where the counters live: memory:// (this process "
+                                    "alone) or a redis://host:port/db URL that replicas share.")
     key: Limits = Field(default_factory=Limits, description="[limits.key]: every API key's limits, unless the key "
                         "has its own (harness keys create/update).")
     tenant: Limits = Field(default_factory=Limits, description="[limits.tenant]: every tenant's limits, over all of "
                            "its keys and its bot conversations together.")
     tenants: dict[str, Limits] = Field(default_factory=dict, description="[limits.tenants.NAME]: one tenant's "
                                        "limits, over [limits.tenant] field by field.")
-
-    @field_validator("storage")
-    @classmethod
-    def _check_storage(cls, value: str) -> str:
-        return check_counter_storage(value)
 
     def for_tenant(self, tenant: str) -> Limits:
         own = self.tenants.get(tenant)
@@ -86,6 +82,10 @@ class Price(Section):
     output: float = Field(ge=0, description="Per million completion tokens.")
 
 
-def unpriced(models: Iterable[str], prices: dict[str, Price]) -> list[str]:
-    """The models a money budget could not be counted on."""
-    return sorted({m for m in models if m not in prices})
+class _Serving(Protocol):
+    models: list[str]
+
+
+def unpriced(backends: Iterable[_Serving], prices: dict[str, Price]) -> list[str]:
+    """The models the backends serve that a money budget could not be counted on."""
+    return sorted({m for b in backends for m in b.models if m not in prices})
