@@ -107,6 +107,26 @@ def test_tokens_per_minute_cap_max_tokens_hold_and_refund(served: GatewayProcess
     assert second.status_code == 200
     assert int(second.headers["x-ratelimit-remaining-tokens"]) == 0
     assert 70 <= _last_max_tokens(served.db) < 87
+    # A prompt of some 150 tokens no longer fits the minute's 74 left: a 429 on tokens.
+    refused = chat(served, key, text="word " * 120)
+    assert refused.status_code == 429
+    error = refused.json()["error"]
+    assert (error["code"], error["type"]) == ("rate_limit_exceeded", "tokens")
+    assert "tokens per minute" in error["message"] and 1 <= int(refused.headers["retry-after"]) <= 60
+
+
+@pytest.mark.parametrize(("flag", "value", "label"), [("--tokens-per-month", "35", "tokens per month"),
+                                                      ("--usd-per-month", "0.00005", "dollars per month")])
+def test_month_budgets_refuse_once_spent(served: GatewayProcess, flag: str, value: str, label: str) -> None:
+    _, key = create_key(served.config, "acme", flag, value)
+    answers = [chat(served, key, max_tokens=3) for _ in range(4)]
+    codes = [a.status_code for a in answers]
+    # 13 tokens and 16 millionths of a dollar a call: two calls fit 35 tokens, three fit 50 millionths.
+    assert codes == ([200, 200, 429, 429] if flag == "--tokens-per-month" else [200, 200, 200, 429])
+    refused = answers[codes.index(429)]
+    assert refused.json()["error"]["code"] == "budget_exceeded" and label in refused.json()["error"]["message"]
+    if flag == "--tokens-per-month":  # no per-minute limit: the tokens headers tell the month's budget
+        assert answers[0].headers["x-ratelimit-limit-tokens"] == "35"
 
 
 def test_a_day_budget_is_a_429_budget_exceeded_and_keys_update_changes_it(served: GatewayProcess) -> None:
