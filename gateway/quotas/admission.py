@@ -105,11 +105,9 @@ class QuotaExceeded(Exception):
 class Hold:
     """What one admitted request added to its counters, until it is settled."""
 
-    rules: tuple[Rule, ...]
-    keys: list[str]
+    placed: _Placed
     tokens: int
     micro_usd: int
-    ends: list[float]
     headers: dict[str, str] = field(default_factory=dict)
     settled: bool = False
 
@@ -132,6 +130,20 @@ class _Windows:
 
 
 @dataclass
+class _Placed:
+    """A rule set's counter keys in the current windows, and until when they hold."""
+
+    rules: tuple[Rule, ...]
+    keys: list[str]
+    ends: list[float]
+    expiries: list[float]  # seconds a counter made now lives: its window's rest and a grace
+    until: float
+    counted: list[int]  # which rules count tokens or money
+    # Per header family, the rules that may fill it: per-minute ones first (OpenAI's), then budgets.
+    header_rules: dict[str, list[int]]
+
+
+@dataclass
 class Meter:
     """One caller's limits as an agent run's model calls meet them: each call held and settled on its own (a run
     holds no concurrency place: its request does, where it has one)."""
@@ -141,7 +153,7 @@ class Meter:
     model: str | None  # the base model, for its price
 
     async def admit(self, body: dict[str, Any], prompt_tokens: Callable[[], int]) -> Hold | None:
-        return await self.quotas.admit(self.rules, self.model, body, prompt_tokens, concurrent=False)
+        return await self.quotas.admit(self.rules, self.model, body, prompt_tokens)
 
     async def settle(self, hold: Hold | None, usage: dict[str, Any] | None) -> None:
         usage = usage or {}
@@ -160,44 +172,48 @@ class Quotas:
         self.clock = clock
         self.default_completion_tokens = default_completion_tokens
         self._windows = _Windows()
-        self._tenants: dict[str, tuple[Rule, ...]] = {}
-        # A key's rules, until its limits change (the authenticator's cached Limits object is the same one meanwhile).
-        self._keys: dict[str, tuple[Limits | None, tuple[Rule, ...]]] = {}
+        self._callers: dict[tuple[str | None, str | None], tuple[Limits | None, tuple[Rule, ...]]] = {}
+        self._placed: dict[int, _Placed] = {}
         self._down = False
 
     def rules(self, key_id: str | None, key_limits: Limits | None, tenant: str | None) -> tuple[Rule, ...]:
-        """The rules a caller's requests count in; none for the admin key and an open gateway."""
+        """The rules a caller's requests count in; none for the admin key and an open gateway. Compiled once per
+        caller, until its key's limits change (the authenticator hands out a new ``Limits`` object then)."""
+        return self._compiled(key_id, key_limits, tenant)[1]
+
+    def _compiled(self, key_id: str | None, key_limits: Limits | None,
+                  tenant: str | None) -> tuple[Limits | None, tuple[Rule, ...], tuple[Rule, ...]]:
+        """(the key's own limits it was compiled from, a request's rules, an agent run's call's rules: the same
+        without the concurrency limits, as a run holds no place in flight)."""
+        if key_id == "admin":
+            key_id = None
+        cached = self._callers.get((key_id, tenant))
+        if cached is not None and cached[0] is key_limits:
+            return cached
         rules: tuple[Rule, ...] = ()
-        if key_id is not None and key_id != "admin":
-            cached = self._keys.get(key_id)
-            if cached is None or cached[0] is not key_limits:
-                limits = key_limits.over(self.settings.key) if key_limits is not None else self.settings.key
-                if len(self._keys) > 100_000:
-                    self._keys.clear()
-                cached = self._keys[key_id] = (key_limits, compile_rules(f"key {key_id}", limits))
-            rules = cached[1]
+        if key_id is not None:
+            limits = key_limits.over(self.settings.key) if key_limits is not None else self.settings.key
+            rules = compile_rules(f"key {key_id}", limits)
         if tenant is not None:
-            own = self._tenants.get(tenant)
-            if own is None:
-                own = self._tenants[tenant] = compile_rules(f"tenant {tenant}", self.settings.for_tenant(tenant))
-            rules += own
-        return rules
+            rules += compile_rules(f"tenant {tenant}", self.settings.for_tenant(tenant))
+        if len(self._callers) > 100_000:
+            self._callers.clear()
+        cached = self._callers[(key_id, tenant)] = (key_limits, rules, tuple(r for r in rules if r.span is not None))
+        return cached
 
     def meter(self, key_id: str | None, key_limits: Limits | None, tenant: str | None,
               model: str | None) -> Meter | None:
-        rules = self.rules(key_id, key_limits, tenant)
+        rules = self._compiled(key_id, key_limits, tenant)[2]
         return Meter(self, rules, model) if rules else None
 
     async def admit(self, rules: tuple[Rule, ...], model: str | None, body: dict[str, Any] | None,
-                    prompt_tokens: Callable[[], int], *, concurrent: bool = True) -> Hold | None:
+                    prompt_tokens: Callable[[], int]) -> Hold | None:
         """Count one request in. ``body`` is a chat-shaped body whose completion limit may be capped (None for a
         call that generates nothing, such as embeddings); ``prompt_tokens`` is called only when a token or money
         limit needs it. Raises ``QuotaExceeded``.
 
         Shared counters that cannot be reached let the request through (logged once per outage): limits guard a fair
         share of the models, and refusing everyone while Redis is down would make its outage the gateway's."""
-        if not concurrent:
-            rules = tuple(r for r in rules if r.span is not None)
         if not rules:
             return None
         try:
@@ -211,28 +227,44 @@ class Quotas:
     async def _admit(self, rules: tuple[Rule, ...], model: str | None, body: dict[str, Any] | None,
                      prompt_tokens: Callable[[], int]) -> Hold:
         now = self.clock()
+        placed = self._place(rules, now)
+        keys, ends = placed.keys, placed.ends
+        tokens = micro = 0
+        if placed.counted:
+            tokens, micro = await self._hold_tokens(rules, placed, model, body, prompt_tokens(), now)
+        amounts = {"requests": 1, "concurrent": 1, "tokens": tokens, "usd": micro}
+        refused, counts = await self.counters.take([
+            (key, amounts[rule.measure], rule.limit, expiry)
+            for rule, key, expiry in zip(rules, keys, placed.expiries, strict=True)])
+        if refused is not None:
+            raise QuotaExceeded(rules[refused], _retry(ends[refused], now))
+        return Hold(placed, tokens, micro, _headers(placed, counts, now))
+
+    def _place(self, rules: tuple[Rule, ...], now: float) -> _Placed:
+        """Where ``rules`` count now: their counters' keys in the current windows, computed again only once the
+        first of those windows has ended."""
+        placed = self._placed.get(id(rules))
+        if placed is not None and placed.rules is rules and now < placed.until:
+            return placed
         keys, ends = [], []
         for rule in rules:
             name, end = self._windows.get(rule.span, now)
             keys.append(f"{rule.prefix}:{name}" if name else rule.prefix)
             ends.append(end)
-        tokens = micro = 0
-        if any(r.measure in ("tokens", "usd") for r in rules):
-            tokens, micro = await self._hold_tokens(rules, keys, ends, model, body, prompt_tokens(), now)
-        amounts = {"requests": 1, "concurrent": 1, "tokens": tokens, "usd": micro}
-        refused, counts = await self.counters.take([
-            (key, amounts[rule.measure], rule.limit, _expiry(end, now))
-            for rule, key, end in zip(rules, keys, ends, strict=True)])
-        if refused is not None:
-            raise QuotaExceeded(rules[refused], _retry(ends[refused], now))
-        return Hold(rules, keys, tokens, micro, ends, _headers(rules, counts, ends, now))
+        if len(self._placed) > 100_000:
+            self._placed.clear()
+        placed = self._placed[id(rules)] = _Placed(
+            rules, keys, ends, [_expiry(end, now) for end in ends], min(ends),
+            [i for i, r in enumerate(rules) if r.measure in ("tokens", "usd")],
+            {measure: _header_order(rules, measure) for measure in ("requests", "tokens")})
+        return placed
 
-    async def _hold_tokens(self, rules: tuple[Rule, ...], keys: list[str], ends: list[float], model: str | None,
+    async def _hold_tokens(self, rules: tuple[Rule, ...], placed: _Placed, model: str | None,
                            body: dict[str, Any] | None, prompt: int, now: float) -> tuple[int, int]:
         """The tokens and millionths of a dollar to hold, the completion capped to the tightest room left."""
         price = self.pricing.price(model)
-        counted = [i for i, r in enumerate(rules) if r.measure in ("tokens", "usd")]
-        counts = await self.counters.counts([keys[i] for i in counted])
+        counted, ends = placed.counted, placed.ends
+        counts = await self.counters.counts([placed.keys[i] for i in counted])
         room, binding = math.inf, counted[0]
         for i, count in zip(counted, counts, strict=True):
             rule, left = rules[i], rules[i].limit - count
@@ -273,9 +305,9 @@ class Quotas:
         await self._give(hold, deltas)
 
     async def _give(self, hold: Hold, deltas: dict[str, int]) -> None:
-        now = self.clock()
-        items: list[Give] = [(key, deltas[rule.measure], _expiry(end, now))
-                             for rule, key, end in zip(hold.rules, hold.keys, hold.ends, strict=True)
+        placed = hold.placed
+        items: list[Give] = [(key, deltas[rule.measure], expiry)
+                             for rule, key, expiry in zip(placed.rules, placed.keys, placed.expiries, strict=True)
                              if deltas.get(rule.measure)]
         try:
             await self.counters.give(items)
@@ -296,19 +328,21 @@ def _retry(end: float, now: float) -> float:
     return 1.0 if end == math.inf else end - now
 
 
-def _headers(rules: tuple[Rule, ...], counts: list[int], ends: list[float], now: float) -> dict[str, str]:
+def _header_order(rules: tuple[Rule, ...], measure: str) -> list[int]:
+    minute = [i for i, r in enumerate(rules) if r.measure == measure and r.span == "minute"]
+    return minute or [i for i, r in enumerate(rules) if r.measure == measure]
+
+
+def _headers(placed: _Placed, counts: list[int], now: float) -> dict[str, str]:
     """OpenAI's ``x-ratelimit-*`` headers: requests from the tightest requests-per-minute limit, tokens from the
     tightest tokens-per-minute limit, else the tightest token budget."""
     headers: dict[str, str] = {}
-    for measure in ("requests", "tokens"):
-        best: tuple[bool, int, int, float] | None = None  # (not per minute, remaining, limit, ends)
-        for rule, count, end in zip(rules, counts, ends, strict=True):
-            if rule.measure == measure:
-                candidate = (rule.span != "minute", rule.limit - count, rule.limit, end)
-                if best is None or candidate < best:
-                    best = candidate
-        if best is not None:
-            headers[f"x-ratelimit-limit-{measure}"] = str(best[2])
-            headers[f"x-ratelimit-remaining-{measure}"] = str(max(0, best[1]))
-            headers[f"x-ratelimit-reset-{measure}"] = duration(best[3] - now)
+    rules = placed.rules
+    for measure, candidates in placed.header_rules.items():
+        if not candidates:
+            continue
+        i = min(candidates, key=lambda i: rules[i].limit - counts[i])
+        headers[f"x-ratelimit-limit-{measure}"] = str(rules[i].limit)
+        headers[f"x-ratelimit-remaining-{measure}"] = str(max(0, rules[i].limit - counts[i]))
+        headers[f"x-ratelimit-reset-{measure}"] = duration(placed.ends[i] - now)
     return headers

@@ -34,7 +34,7 @@ class CountersUnavailable(Exception):
 class Counters(Protocol):
     async def take(self, items: list[Take]) -> tuple[int | None, list[int]]:
         """Add every amount, or none: the index of the first count that would pass its limit (None when all fit),
-        and the counts after (before, when refused)."""
+        and the counts after (none when refused)."""
 
     async def give(self, items: list[Give]) -> None: ...
 
@@ -55,13 +55,18 @@ class MemoryCounters:
         now = time.time()
         if now >= self._next_sweep:
             self._sweep(now)
-        counts = [self._count(key, now) for key, _, _, _ in items]
-        for i, ((_, amount, limit, _), count) in enumerate(zip(items, counts, strict=True)):
-            if count + amount > limit:
-                return i, counts
-        for (key, amount, _, expiry), count in zip(items, counts, strict=True):
-            self._set(key, count + amount, now, expiry)
-        return None, [count + amount for (_, amount, _, _), count in zip(items, counts, strict=True)]
+        counts, expires = self._counts, self._expires
+        after = []
+        for i, (key, amount, limit, _) in enumerate(items):
+            count = (counts.get(key, 0) if expires.get(key, 0.0) > now else 0) + amount
+            if count > limit:
+                return i, []
+            after.append(count)
+        for (key, _, _, expiry), count in zip(items, after, strict=True):
+            if expires.get(key, 0.0) <= now:
+                expires[key] = now + expiry
+            counts[key] = count
+        return None, after
 
     async def give(self, items: list[Give]) -> None:
         now = time.time()
@@ -92,14 +97,12 @@ class MemoryCounters:
 
 # KEYS: the counters; ARGV: amount, limit and seconds to live of each, in turn.
 _TAKE = """
-local counts = {}
 for i, key in ipairs(KEYS) do
-  local count = tonumber(redis.call('GET', key) or '0')
-  counts[i] = count
-  if count + tonumber(ARGV[3 * i - 2]) > tonumber(ARGV[3 * i - 1]) then
-    return {i, counts}
+  if tonumber(redis.call('GET', key) or '0') + tonumber(ARGV[3 * i - 2]) > tonumber(ARGV[3 * i - 1]) then
+    return {i, {}}
   end
 end
+local counts = {}
 for i, key in ipairs(KEYS) do
   counts[i] = redis.call('INCRBY', key, ARGV[3 * i - 2])
   if redis.call('TTL', key) < 0 then redis.call('EXPIRE', key, ARGV[3 * i]) end
@@ -135,7 +138,7 @@ class RedisCounters:
             refused, counts = await self._take(keys=[key for key, _, _, _ in items], args=args)
         except (RedisError, StorageError, OSError) as exc:
             raise CountersUnavailable(str(exc)) from None
-        return (int(refused) - 1 if refused else None), [int(c) for c in counts]
+        return (int(refused) - 1, []) if refused else (None, [int(c) for c in counts])
 
     async def give(self, items: list[Give]) -> None:
         if not items:
