@@ -42,6 +42,8 @@ from gateway.bot.service import BotService
 from gateway.bot.webhook import WebhookPlatform
 from gateway.bot.wecom import WeComPlatform
 from gateway.config import Settings
+from gateway.console.app import Console
+from gateway.console.routes import console_routes
 from gateway.context import Handler, access_line, endpoint, open_line
 from gateway.errors import APIError, error_response, store_unavailable
 from gateway.metrics import Metrics
@@ -306,6 +308,7 @@ def build_app(settings: Settings) -> Starlette:
         route("/openapi.json", openapi.openapi_json, "GET", "openapi"),
         route("/healthz", health.healthz, "GET", "healthz"),
         route("/metrics", health.metrics, "GET", "metrics"),
+        *(console_routes(Console(gateway)) if settings.server.console else []),
     ]
     app = Starlette(
         routes=routes,

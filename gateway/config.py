@@ -25,6 +25,7 @@ from pydantic_settings import (
 )
 
 from gateway.bot.settings import BotSettings
+from gateway.console.settings import ConsoleSettings
 from gateway.prompting import DEFAULT_RENDERING, Rendering
 from gateway.quotas.settings import LimitsSettings, Price, unpriced
 from replay.settings import RewardSettings, StoreSettings
@@ -67,6 +68,8 @@ class ServerSettings(Section):
         "auto", description="auto: readable on a terminal, JSON otherwise."
     )
     log_level: str = Field("info", description="Lowest level written.")
+    console: bool = Field(True, description="Serve the web console at /ui (trajectories, approvals, adapters, "
+                          "training runs); [console] tunes it.")
     # Filled from admin_key_env at load time.
     admin_key: str | None = Field(None, exclude=True)
 
@@ -230,6 +233,7 @@ class Settings(BaseSettings):
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     bot: BotSettings = Field(default_factory=BotSettings)
     limits: LimitsSettings = Field(default_factory=LimitsSettings)
+    console: ConsoleSettings = Field(default_factory=ConsoleSettings)
     prices: dict[str, Price] = Field(default_factory=dict, description="[prices.MODEL]: what a base model's tokens "
                                      "cost; each call's cost is recorded, and money budgets count it.")
 

@@ -55,6 +55,7 @@ _FILTER_HELP = {
     "max_reward": "Final reward at most this.",
     "task": "Task id.",
     "group": "Group id (the samples of one request, or attempts at one task).",
+    "parent": "Forks of this trajectory (its id).",
     "tenant": "Tenant.",
 }
 def _filter_type(name: str) -> Any:

@@ -36,6 +36,7 @@ class Filters:
     max_reward: float | None = None
     task: str | None = None
     group: str | None = None
+    parent: str | None = None  # forks of this trajectory
     tenant: str | None = None
     ids: tuple[str, ...] | None = None  # these trajectories only (the Python API: e.g. the episodes a round kept)
 
@@ -71,6 +72,8 @@ class Filters:
             add(f"{p}task_id = ?", self.task)
         if self.group is not None:
             add(f"{p}group_id = ?", self.group)
+        if self.parent is not None:
+            add(f"{p}parent_id = ?", self.parent)
         if self.tenant is not None:
             add(f"{p}tenant = ?", self.tenant)
         if self.ids is not None:

@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 
 from replay.database import Database
+from replay.filters import Filters
 from replay.model import CHAT, AgentRun, Feedback, ModelCall, RunEvent, StoredCall, ToolCall, Trajectory, content_text
 
 _SUMMARY_FIELDS = ("id", "source", "status", "created_at", "updated_at", "tenant", "key_id", "session_key",
@@ -28,11 +29,16 @@ def _summary(row: Any) -> dict[str, Any]:
 
 
 async def listing(db: Database, *, tenant: str | None, all_tenants: bool, limit: int,
-                  before: str | None, matching: tuple[str, Any] | None = None) -> list[Trajectory]:
+                  before: str | None, matching: tuple[str, Any] | None = None,
+                  filters: Filters | None = None) -> list[Trajectory]:
     """Trajectories newest first, without their calls; with ``matching`` (a query of trajectory ids and its
-    argument), only those it names."""
+    argument), only those it names; with ``filters``, only those they select."""
     where: list[str] = []
     args: list[Any] = []
+    if filters is not None:
+        clause, values = filters.where("t")
+        where.append(clause)
+        args.extend(values)
     if matching is not None:
         where.append(f"id IN ({matching[0]})")
         args.append(matching[1])
@@ -42,7 +48,7 @@ async def listing(db: Database, *, tenant: str | None, all_tenants: bool, limit:
     if before:
         where.append("id < ?")
         args.append(before)
-    sql = "SELECT * FROM trajectories" + (" WHERE " + " AND ".join(where) if where else "")
+    sql = "SELECT * FROM trajectories t" + (" WHERE " + " AND ".join(where) if where else "")
     return [Trajectory(**_summary(r)) for r in await db.fetchall(sql + " ORDER BY id DESC LIMIT ?",
                                                                          (*args, limit))]
 
@@ -149,3 +155,13 @@ async def _run(db: Database, trajectory_id: str) -> AgentRun | None:
                     steps=r["steps"], state=orjson.loads(r["state"]) if r["state"] else {},
                     result=orjson.loads(r["result"]) if r["result"] else None, created_at=r["created_at"],
                     updated_at=r["updated_at"])
+
+
+async def progress(db: Database, trajectory_id: str) -> tuple[Any, ...] | None:
+    """What changes as a run goes on (status, calls, events, tool calls, last update), or None when there is no such
+    trajectory: cheap enough to ask twice a second while a page follows the run."""
+    row = _first(await db.fetchall(
+        "SELECT status, n_calls, updated_at, (SELECT COUNT(*) FROM events WHERE trajectory_id = t.id), "
+        "(SELECT COUNT(*) FROM tool_calls WHERE trajectory_id = t.id) FROM trajectories t WHERE id = ?",
+        (trajectory_id,)))
+    return None if row is None else tuple(row)

@@ -288,6 +288,39 @@ MIGRATIONS: list[str] = [
     ALTER TABLE api_keys ADD COLUMN limits TEXT;
     CREATE INDEX model_calls_created ON model_calls(created_at);
     """,
+    # 13: the web console's sign-in sessions (``id`` is the hash of the cookie's token; ``key_hash`` the hash of the
+    # key signed in with, so a changed admin key ends its sessions as a revoked API key ends its own), and each
+    # replay-train run's stages, curves and before/after table, written as it goes so any replica can show it.
+    """
+    CREATE TABLE console_sessions (
+        id TEXT PRIMARY KEY,
+        key_id TEXT,
+        key_hash TEXT,
+        tenant TEXT,
+        admin INTEGER NOT NULL DEFAULT 0,
+        csrf TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        expires_at REAL NOT NULL
+    ) WITHOUT ROWID;
+    CREATE INDEX console_sessions_expires ON console_sessions(expires_at);
+
+    CREATE TABLE training_runs (
+        id TEXT PRIMARY KEY,
+        name TEXT NOT NULL,
+        mode TEXT NOT NULL,
+        status TEXT NOT NULL,
+        host TEXT,
+        run_dir TEXT,
+        stages TEXT,
+        metrics TEXT,
+        error TEXT,
+        adapter_version INTEGER,
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL
+    );
+    CREATE INDEX training_runs_created ON training_runs(created_at);
+    CREATE INDEX trajectories_parent ON trajectories(parent_id);
+    """,
 ]
 
 # Where PostgreSQL's text differs by more than its types: migration number -> what it runs instead.

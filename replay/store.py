@@ -22,6 +22,7 @@ from typing import Any
 
 from replay import queries
 from replay.database import Database, open_database
+from replay.filters import Filters
 from replay.model import Trajectory
 from replay.records import CallRecord, Statement, TrajectoryRef, WriteOp
 from replay.settings import StoreSettings
@@ -98,12 +99,15 @@ class TrajectoryStore:
     # -- reading -----------------------------------------------------------------------------------
 
     async def list_trajectories(self, *, tenant: str | None = None, all_tenants: bool = False,
-                                limit: int = 50, before: str | None = None) -> list[Trajectory]:
-        """Newest first, without their calls."""
-        return await queries.listing(self.db, tenant=tenant, all_tenants=all_tenants, limit=limit, before=before)
+                                limit: int = 50, before: str | None = None,
+                                filters: Filters | None = None) -> list[Trajectory]:
+        """Newest first, without their calls; ``before`` an id, the page's keyset (ids sort by time)."""
+        return await queries.listing(self.db, tenant=tenant, all_tenants=all_tenants, limit=limit, before=before,
+                                     filters=filters)
 
     async def search(self, text: str, *, tenant: str | None = None, all_tenants: bool = False,
-                     limit: int = 50, before: str | None = None) -> list[Trajectory]:
+                     limit: int = 50, before: str | None = None,
+                     filters: Filters | None = None) -> list[Trajectory]:
         """Trajectories whose messages hold every word of ``text`` (case folded), newest first, without their calls.
         SQLite searches an FTS5 index, PostgreSQL a ``tsvector`` one; words are matched whole, not as a query
         language (quotes, operators and punctuation are just text)."""
@@ -117,14 +121,14 @@ class TrajectoryStore:
             match = "SELECT trajectory_id FROM trajectory_text WHERE document @@ plainto_tsquery('simple', ?)"
             query = " ".join(words)
         return await queries.listing(self.db, tenant=tenant, all_tenants=all_tenants, limit=limit, before=before,
-                                     matching=(match, query))
+                                     matching=(match, query), filters=filters)
 
     async def get_trajectory(self, trajectory_id: str, *, tenant: str | None = None,
                              all_tenants: bool = False) -> Trajectory | None:
         """A trajectory whole (the read model), or None when there is none the caller may see."""
         return await queries.trajectory(self.db, trajectory_id, tenant=tenant, all_tenants=all_tenants)
 
-    async def select_ids(self, filters: Any) -> list[str]:
+    async def select_ids(self, filters: Filters) -> list[str]:
         """Ids of the trajectories a ``replay.filters.Filters`` selects, oldest first."""
         where, args = filters.where("t")
         return [r["id"] for r in await self._select(f"SELECT t.id FROM trajectories t WHERE {where} ORDER BY t.id",

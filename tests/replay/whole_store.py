@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psycopg
 
-from replay import approvals, bot_messages, feedback, hashing, keys, runs, stored_responses
+from replay import approvals, bot_messages, feedback, hashing, keys, runs, sessions, stored_responses
 from replay.adapters import AdapterRegistry
 from replay.copy_ends import tables
 from replay.records import CallRecord, TrajectoryRef, WriteOp, new_id
@@ -70,6 +70,8 @@ async def _fill(store: TrajectoryStore, location: str, agents: int) -> Built:
     key_id = await keys.create(store, tenant="acme", name="ci", capture=True, secret_hash="h" * 64,
                                default_model="base-m", allow_model_override=True)
     await keys.revoke(store, key_id)
+    await sessions.create(store, session_hash="s" * 64, key_id=key_id, key_hash="h" * 64, tenant="acme", admin=False,
+                          csrf="token ✓", now=time.time(), expires_at=time.time() + 3600)
     for n, nonce in enumerate(NONCES):
         assert await keys.claim_nonce(store, nonce, now=1_000_000.0 + n, keep_seconds=1e9)
 
