@@ -32,8 +32,10 @@ def hold_statement(run_id: str, *, approval_id: str, step: int, call_id: str | N
              expires_at))
 
 
-async def list_approvals(store: TrajectoryStore, *, status: str | None = PENDING,
-                  trajectory_id: str | None = None) -> list[dict[str, Any]]:
+async def list_approvals(store: TrajectoryStore, *, status: str | None = PENDING, trajectory_id: str | None = None,
+                         tenant: str | None = None, all_tenants: bool = True) -> list[dict[str, Any]]:
+    """Held calls, oldest first: every tenant's, or (``all_tenants`` false) those of ``tenant``'s runs alone, as
+    the store's listings scope them."""
     where, args = [], []
     if status is not None:
         where.append("a.status = ?")
@@ -41,6 +43,9 @@ async def list_approvals(store: TrajectoryStore, *, status: str | None = PENDING
     if trajectory_id is not None:
         where.append("a.trajectory_id = ?")
         args.append(trajectory_id)
+    if not all_tenants:
+        where.append("t.tenant IS ?")
+        args.append(tenant)
     sql = _SELECT + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY a.created_at, a.id"
     return [_row(r) for r in await store._select(sql, tuple(args))]
 

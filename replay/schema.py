@@ -320,6 +320,7 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX training_runs_created ON training_runs(created_at);
     CREATE INDEX trajectories_parent ON trajectories(parent_id);
+    CREATE INDEX trajectories_status ON trajectories(status, id);
     """,
 ]
 

@@ -115,7 +115,11 @@ class TrajectoryStore:
         if not words:
             return []
         if self.db.dialect == "sqlite":
-            match = "SELECT trajectory_id FROM trajectory_text WHERE trajectory_text MATCH ?"
+            # The ids are read from FTS5's own content table (``trajectory_text_content``: ``c1`` is
+            # ``trajectory_id``) by the matches' rowids, not through the FTS table, which reads each match's row
+            # with a statement of its own: three times slower for a word in most calls (bench/console.py).
+            match = ("SELECT c1 FROM trajectory_text_content WHERE id IN "
+                     "(SELECT rowid FROM trajectory_text WHERE trajectory_text MATCH ?)")
             query = " ".join(f'"{w}"' for w in words)
         else:
             match = "SELECT trajectory_id FROM trajectory_text WHERE document @@ plainto_tsquery('simple', ?)"

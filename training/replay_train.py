@@ -24,6 +24,9 @@
    gate's decision stored with it; promoted if it passed;
 9. publish: with ``--publish URL``, a passing candidate is registered on that gateway instead (uploaded with
    its numbers), published and promoted through its admin routes.
+
+The run has a row in the store (``training/run_record.py``) from its start: each stage as it ends, then its curves,
+before/after table and gate decision, or why it failed; the console's training pages read it from any host.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from training.metrics import rank
 from training.references import ReferenceCache, reference_report
 from training.rl import RLConfig, train_rl
 from training.rollouts import Rollouts, groups_from_store
+from training.run_record import RunRecord
 from training.settings import HarnessSettings
 from training.sft import SFTConfig, load_base, train_sft
 from training.stages import Stages
@@ -72,6 +76,7 @@ class ReplayTrainError(Exception):
 @dataclass
 class Outcome:
     run_dir: Path
+    run_id: str | None = None  # its row in the store's training runs (None: the store could not be written)
     registered: AdapterVersion | None = None
     decision: Decision | None = None
     published: bool = False
@@ -90,8 +95,22 @@ async def replay_train(settings: HarnessSettings, filters: Filters, *, mode: str
     name = name or suite.name
     run_dir = Path(training.output_dir) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    outcome = Outcome(run_dir=run_dir)
-    stage = Stages(console)
+    record = await RunRecord.start(settings.store, name=name, mode=mode, run_dir=run_dir)
+    stage = Stages(console, on_stage=record.stage_ended)
+    try:
+        return await _pipeline(settings, filters, mode=mode, init=init, name=name, publish=publish, console=console,
+                               suite=suite, run_dir=run_dir, stage=stage, record=record)
+    except BaseException as exc:  # an interrupted run too: its row must not say it is still running
+        await record.fail(exc, stage.records)
+        raise
+
+
+async def _pipeline(settings: HarnessSettings, filters: Filters, *, mode: str, init: str | None, name: str,
+                    publish: str | None, console: Console, suite: Suite, run_dir: Path, stage: Stages,
+                    record: RunRecord) -> Outcome:
+    """Select to publish (see the module doc), into ``run_dir``, each stage through ``stage``."""
+    training = settings.training
+    outcome = Outcome(run_dir=run_dir, run_id=record.run_id)
     gate = training.gate
     gate_tasks = suite.draw("test", gate.tasks, seed=gate.seed, min_faulted=gate.min_faulted)
 
@@ -123,18 +142,20 @@ async def replay_train(settings: HarnessSettings, filters: Filters, *, mode: str
         if "sft" in mode:
             candidate, validation, demonstrations = await _sft(settings, filters, suite, gate_tasks, general,
                                                                evaluator, run_dir / "sft" if "rl" in mode else run_dir,
-                                                               stage)
+                                                               stage, record)
             if training.expert.rounds:
                 candidate, validation, expert_rounds = await expert_iteration(
                     settings, suite, evaluator, general, candidate, validation, run_dir / "expert",
                     demonstrations=demonstrations, exclude=leak_filter(suite, gate_tasks), stage=stage)
+                record.expert(expert_rounds)
         else:
             candidate = None if init == "base" else Path(init) if init else reference
             validation = {}
         start = candidate  # what RL starts from
         rl_summary: dict[str, Any] | None = None
         if "rl" in mode:
-            candidate, validation, rl_summary = await _rl(settings, selected, start, evaluator, run_dir, stage)
+            candidate, validation, rl_summary = await _rl(settings, selected, start, evaluator, run_dir, stage,
+                                                          record)
         if candidate is None or candidate == reference:
             raise ReplayTrainError("nothing new to register: RL found no checkpoint better on validation than the "
                                    "adapter it started from, which is the one serving now")
@@ -194,6 +215,8 @@ async def replay_train(settings: HarnessSettings, filters: Filters, *, mode: str
 
     # The registry holds the stages up to the gate (its numbers go up with the version); the run folder all of them.
     (run_dir / "stages.json").write_bytes(orjson.dumps(stage.records, option=orjson.OPT_INDENT_2))
+    await record.finish(stage.records, reports=reports, decision=decision, registered=outcome.registered,
+                        published=outcome.published, rl=rl_summary, expert=expert_rounds)
     console.print(report_table(reports, title))
     console.print(decision_table(decision, before.model, after.model))
     console.print(stage.table())
@@ -202,7 +225,8 @@ async def replay_train(settings: HarnessSettings, filters: Filters, *, mode: str
 
 
 async def _sft(settings: HarnessSettings, filters: Filters, suite: Suite, gate_tasks: list[Task], general: GeneralCheck,
-               evaluator: Evaluator, out: Path, stage: Stages) -> tuple[Path, dict[str, Any], list[data.Example]]:
+               evaluator: Evaluator, out: Path, stage: Stages,
+               record: RunRecord) -> tuple[Path, dict[str, Any], list[data.Example]]:
     """Build, train (into ``out``) and validate: the best SFT checkpoint, its validation metrics (none when there
     is one checkpoint and no expert iteration, which would rank against them) and the task rows it trained on."""
     training = settings.training
@@ -226,11 +250,13 @@ async def _sft(settings: HarnessSettings, filters: Filters, suite: Suite, gate_t
     stage("sft", f"{len(result.checkpoints)} checkpoints, {result.tokens:,} tokens in {result.seconds:.0f} s "
                    f"({result.tokens_per_second:,.0f} tokens/s)", tokens=result.tokens)
     if len(result.checkpoints) == 1 and not training.expert.rounds:
+        record.sft(result.losses, [])
         stage("validate", f"skipped: one checkpoint ({result.checkpoints[0].name}) and no expert iteration to "
                           "rank against")
         return result.checkpoints[0], {}, task_rows
     validation = [await evaluator.evaluate(suite.name, "validation", checkpoint, label=checkpoint.name)
                   for checkpoint in result.checkpoints]
+    record.sft(result.losses, validation)
     best = max(range(len(validation)), key=lambda i: rank(validation[i].metrics))
     stage("validate", ", ".join(f"{r.model}: success {r.metrics['success_rate']:.0%}" for r in validation)
           + f" → {result.checkpoints[best].name}", episodes=sum(len(r.episodes) for r in validation))
@@ -238,7 +264,7 @@ async def _sft(settings: HarnessSettings, filters: Filters, suite: Suite, gate_t
 
 
 async def _rl(settings: HarnessSettings, selected: list[str], start: Path | None, evaluator: Evaluator, run_dir: Path,
-              stage: Stages) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+              stage: Stages, record: RunRecord) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     """Captured groups first, then online rollouts: the best checkpoint on validation, its metrics, a summary."""
     training, rl = settings.training, settings.training.rl
     suite = get_suite(training.suite, data_dir=training.tasks_dir)
@@ -280,6 +306,7 @@ async def _rl(settings: HarnessSettings, selected: list[str], start: Path | None
         del loaded
     finally:
         await store.close()
+    record.rl(result.history, result.validations)
     best = next(v for v in result.validations if v["checkpoint"] == str(result.best))
     stage("rl", f"{len(result.history)} steps ({len(batches)} on captured groups), {result.groups} groups "
                 f"({result.flat_groups} without reward spread), {rollouts.episodes} rollouts in "

@@ -2,12 +2,14 @@
 
 ``stage("build", "411 rows …", rows=411)`` prints the line with the stage's own seconds and the run's so far, and
 keeps ``{"stage": "build", "seconds": …, "rows": 411}``; ``table()`` is the summary a run prints at its end and
-``records`` what it stores.
+``records`` what it stores; ``on_stage``, when given, is called with ``records`` after each one (the run's row in
+the store follows them so).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -15,8 +17,9 @@ from rich.table import Table
 
 
 class Stages:
-    def __init__(self, console: Console) -> None:
+    def __init__(self, console: Console, on_stage: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
         self.console = console
+        self.on_stage = on_stage
         self.started = self.last = time.perf_counter()
         self.records: list[dict[str, Any]] = []
 
@@ -26,6 +29,8 @@ class Stages:
         self.records.append({"stage": label, "seconds": round(seconds, 2), **counts})
         self.console.print(f"[bold]{label:<9}[/bold] {detail}  [dim]({seconds:.0f} s; {now - self.started:.0f} s "
                            "in all)[/dim]")
+        if self.on_stage is not None:
+            self.on_stage(self.records)
 
     @property
     def total(self) -> float:

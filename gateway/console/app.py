@@ -79,6 +79,7 @@ class Console:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
         self.auth = ConsoleAuth(gateway.store, gateway.auth, gateway.settings.console)
+        self.live_streams = 0  # pages following a run now (gateway/console/live.py)
         self.templates = Environment(loader=PackageLoader("gateway.console", "templates"),
                                      autoescape=select_autoescape(default=True, default_for_string=True),
                                      trim_blocks=True, lstrip_blocks=True)
@@ -98,17 +99,17 @@ class Console:
         """``handler`` at ``/ui{path}``, behind the sign-in and the checks its ``access`` needs."""
 
         async def serve(request: Request) -> Response:
-            viewer: Viewer | None = None
             try:
-                response, viewer = await self._serve(request, handler, access)
+                response = await self._serve(request, handler, access)
             except APIError as exc:
-                response = self.error_page(request, viewer, exc)
+                # an error once the session is known (a page not found, a form refused) keeps the viewer's header
+                response = self.error_page(request, getattr(request.state, "console_viewer", None), exc)
             response.headers.update(SECURITY_HEADERS)
             return response
 
         return Route(path, serve, methods=list(methods), name=f"console{path}")
 
-    async def _serve(self, request: Request, handler: PageHandler, access: Access) -> tuple[Response, Viewer | None]:
+    async def _serve(self, request: Request, handler: PageHandler, access: Access) -> Response:
         viewer = await self.auth.viewer(request)
         new_session: str | None = None
         if viewer is not None and viewer.open and not loopback_host(request):
@@ -118,9 +119,10 @@ class Console:
                 new_session, viewer = await self.auth.open_session()
             elif request.method == "GET":
                 target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-                return RedirectResponse(f"{PATH}/login?{urlencode({'next': target})}", status_code=303), None
+                return RedirectResponse(f"{PATH}/login?{urlencode({'next': target})}", status_code=303)
             else:
                 raise APIError(401, "Your session has ended; sign in again.", code="signed_out")
+        request.state.console_viewer = viewer
         if access == "admin" and not viewer.admin:
             raise APIError(403, "This page needs the admin key.", code="admin_key_required")
         if access == "approver" and not viewer.approver:
@@ -134,7 +136,7 @@ class Console:
         response = await handler(Page(self, request, viewer, form))
         if new_session is not None:
             self.auth.set_cookie(request, response, new_session)
-        return response, viewer
+        return response
 
 
 async def read_form(request: Request) -> dict[str, str]:

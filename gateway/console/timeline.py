@@ -80,9 +80,8 @@ def steps(trajectory: Trajectory) -> list[Step]:
     for tool_call in trajectory.tool_calls:
         if tool_call.step in by_seq:
             by_seq[tool_call.step].tool_calls.append(tool_call)
-    for event in trajectory.events:
-        if event.step in by_seq:
-            by_seq[event.step].events.append(event)
+    for seq, events in _events_by_call(trajectory)[0].items():
+        by_seq[seq].events.extend(events)
     for row in trajectory.feedback:
         if row.model_call_seq is not None and row.model_call_seq in by_seq:
             by_seq[row.model_call_seq].rewards.append(row)
@@ -90,9 +89,28 @@ def steps(trajectory: Trajectory) -> list[Step]:
 
 
 def loose_events(trajectory: Trajectory) -> list[RunEvent]:
-    """Transitions at no model call's step (before the first, after the last: the run's end)."""
-    seqs = {c.seq for c in trajectory.calls}
-    return [e for e in trajectory.events if e.step not in seqs]
+    """Transitions before the first model call."""
+    return _events_by_call(trajectory)[1]
+
+
+# The transitions that make a model call: each call's own transitions are those from its opener to the next one.
+OPENERS = ("CALL_MODEL", "SUMMARIZE")
+
+
+def _events_by_call(trajectory: Trajectory) -> tuple[dict[int, list[RunEvent]], list[RunEvent]]:
+    """The run's transitions by the model call they belong to, and those before the first call. An event's ``step``
+    counts the steps taken when it happened, not a model call's seq (a call's reply is parsed and its tools run one
+    step later than the call was made; a summary call takes no step): the order the loop wrote them in places them,
+    each call opened by its CALL_MODEL, or a summary's SUMMARIZE."""
+    seqs = [c.seq for c in trajectory.calls]
+    by_seq: dict[int, list[RunEvent]] = {seq: [] for seq in seqs}
+    before: list[RunEvent] = []
+    at = -1
+    for event in trajectory.events:
+        if event.state in OPENERS and at + 1 < len(seqs):
+            at += 1
+        (by_seq[seqs[at]] if at >= 0 else before).append(event)
+    return by_seq, before
 
 
 def whole_feedback(trajectory: Trajectory) -> list[Feedback]:

@@ -12,11 +12,12 @@ from gateway.api.trajectories import feedback_row
 from gateway.console import timeline
 from gateway.console.app import PATH, Page
 from gateway.errors import APIError
+from replay import approvals
 from replay import feedback as feedback_log
 from replay.filters import Filters, parse_time
 from replay.model import Trajectory
 from replay.runs import UNFINISHED
-from replay.vocabulary import AGENT, BOT, DEMO, IMPORT, PROXY, ROLLOUT, TRAJECTORY_STATUSES
+from replay.vocabulary import AGENT, BOT, DEMO, IMPORT, PENDING_APPROVAL, PROXY, ROLLOUT, TRAJECTORY_STATUSES
 
 SOURCES = (PROXY, AGENT, BOT, ROLLOUT, "eval", DEMO, IMPORT)
 TEXT_FILTERS = ("source", "status", "reason", "model", "adapter", "task", "group")
@@ -78,9 +79,12 @@ async def show_page(page: Page) -> Response:
     siblings = await _group(page, trajectory.group_id) if trajectory.group_id else []
     parent = await store.get_trajectory(trajectory.parent_id, tenant=viewer.tenant, all_tenants=viewer.admin) \
         if trajectory.parent_id else None
+    # The calls it waits on, with their forms, for whoever may decide them (the trajectory is theirs to see).
+    held = await approvals.list_approvals(store, trajectory_id=trajectory.id) \
+        if viewer.approver and trajectory.status == PENDING_APPROVAL else []
     context = {"t": trajectory, "steps": timeline.steps(trajectory), "loose_events": timeline.loose_events(trajectory),
                "whole_feedback": timeline.whole_feedback(trajectory), "forks": forks, "siblings": siblings,
-               "parent": parent, "live": trajectory.status in UNFINISHED}
+               "parent": parent, "live": trajectory.status in UNFINISHED, "held": held}
     if page.query("fragment") == "timeline":
         return page.render("timeline.html", **context)
     return page.render("trajectory.html", **context)

@@ -7,6 +7,7 @@ import pytest
 
 import replay.store
 from replay import hashing, keys
+from replay.filters import Filters
 from replay.records import CallRecord, WriteOp
 from replay.schema import MIGRATIONS, SCHEMA_VERSION, migrate
 from replay.settings import StoreSettings
@@ -364,6 +365,37 @@ async def test_search_finds_trajectories_by_the_words_of_their_messages(store_lo
         await store.close()
 
 
+async def test_listing_and_search_take_filters_and_pages_by_keyset(store_location: str) -> None:
+    """What the console's list asks: filters, full-text search and keyset pages together, on both databases."""
+    store = await _open(store_location)
+    try:
+        ids = [await _call(store, [SYSTEM, {"role": "user", "content": f"question {i} about {word}"}], "ok",
+                           tenant="acme") for i, word in enumerate(["otters", "otters", "badgers", "otters"])]
+        forked = await _call(store, [SYSTEM, {"role": "user", "content": "question 0 about otters"},
+                                     {"role": "assistant", "content": "no"}, {"role": "user", "content": "again"}],
+                             "ok", tenant="acme")
+        await store._change([("UPDATE trajectories SET final_reward = ?, source = ? WHERE id = ?", (r, s, t))
+                             for t, r, s in zip(ids, (0.9, 0.2, 0.8, 0.7), ("proxy", "agent", "proxy", "proxy"),
+                                                strict=True)])
+        await store._change([("UPDATE trajectories SET parent_id = ? WHERE id = ?", (ids[0], forked))])
+
+        async def listed(text: str | None = None, **scope) -> list[str]:
+            scope = {"tenant": "acme", **scope}
+            found = await (store.search(text, **scope) if text else store.list_trajectories(**scope))
+            return [t.id for t in found]
+
+        good = Filters(min_reward=0.5, source="proxy")
+        assert await listed(filters=good) == [ids[3], ids[2], ids[0]]
+        assert await listed("otters", filters=good) == [ids[3], ids[0]]
+        assert await listed("otters", filters=good, limit=1) == [ids[3]]
+        assert await listed("otters", filters=good, limit=1, before=ids[3]) == [ids[0]]
+        assert await listed("otters", filters=Filters(max_reward=0.5)) == [ids[1]]
+        assert await listed(filters=Filters(parent=ids[0])) == [forked]
+        assert await listed("otters", filters=good, tenant="globex") == []
+    finally:
+        await store.close()
+
+
 @pytest.mark.sqlite_only
 async def test_a_store_from_before_the_search_index_is_searchable_after_its_upgrade(tmp_path: Path) -> None:
     store = await _open(tmp_path / "old.db")
@@ -379,7 +411,7 @@ async def test_a_store_from_before_the_search_index_is_searchable_after_its_upgr
             ALTER TABLE model_calls DROP COLUMN native_api; ALTER TABLE model_calls DROP COLUMN native_bodies;
             DROP INDEX model_calls_created; ALTER TABLE model_calls DROP COLUMN cost_usd;
             ALTER TABLE api_keys DROP COLUMN limits; DROP TABLE console_sessions; DROP TABLE training_runs;
-            DROP INDEX trajectories_parent; PRAGMA user_version = 9;""")
+            DROP INDEX trajectories_parent; DROP INDEX trajectories_status; PRAGMA user_version = 9;""")
     store = await _open(tmp_path / "old.db")
     try:
         assert [t.id for t in await store.search("eiffel")] == [tid]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psycopg
 
-from replay import approvals, bot_messages, feedback, hashing, keys, runs, sessions, stored_responses
+from replay import approvals, bot_messages, feedback, hashing, keys, runs, sessions, stored_responses, training_runs
 from replay.adapters import AdapterRegistry
 from replay.copy_ends import tables
 from replay.records import CallRecord, TrajectoryRef, WriteOp, new_id
@@ -89,6 +89,10 @@ async def _fill(store: TrajectoryStore, location: str, agents: int) -> Built:
     registry.register("sql", "base-m", "/adapters/sql/1", metrics={"accuracy": 0.75})
     registry.promote("sql", 1)
     registry.register("sql", "base-m", lambda v: f"/adapters/sql/{v}", uploaded=True)
+    training_run = await training_runs.start(store, name="sql", mode="sft+rl", host="trainer ✓", run_dir="/runs/sql")
+    await training_runs.finish(store, training_run, stages=[{"stage": "select", "seconds": 0.5, "trajectories": 4}],
+                               metrics={"curves": {"loss": [[1, 2.5], [2, 1e-300]]}, "gate": {"passed": True}},
+                               adapter_version=1)
 
     trajectories = [t.id for t in await store.list_trajectories(all_tenants=True, limit=10_000)]
     return Built(trajectories, searchable, high_water)
@@ -125,8 +129,9 @@ def counts(location: str) -> dict[str, int]:
     """Rows per table of a store, read directly (every table 0 in a PostgreSQL database not migrated yet)."""
     if location.startswith("postgresql://"):
         with psycopg.connect(location) as conn:
-            if conn.execute("SELECT to_regclass('trajectory_text') IS NULL").fetchone()[0]:
-                return {t.name: 0 for t in tables()}  # the last migration creates it
+            last = tables()[-1].name  # the last migration creates it
+            if conn.execute("SELECT to_regclass(%s) IS NULL", (last,)).fetchone()[0]:
+                return {t.name: 0 for t in tables()}
             return {t.name: conn.execute(f"SELECT COUNT(*) FROM {t.name}").fetchone()[0] for t in tables()}
     with closing(sqlite3.connect(location)) as conn:
         return {t.name: conn.execute(f"SELECT COUNT(*) FROM {t.name}").fetchone()[0] for t in tables()}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import socket
 import sqlite3
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from rich.console import Console
 
 from gateway.app import build_app
 from gateway.backends.local.loading import load_tokenizer
+from replay import training_runs
 from replay.adapters import AdapterRegistry
 from replay.filters import Filters
 from replay.importer import Conversation, import_conversations
@@ -34,7 +36,7 @@ from training.capture import capture
 from training.evaluate import Evaluator
 from training.gate import baselines, decide, solver_steps
 from training.general import GeneralCheck
-from training.replay_train import replay_train
+from training.replay_train import ReplayTrainError, replay_train
 from training.settings import HarnessSettings
 from training.tasks import SUITES, get_suite, leak_filter, test_only_markers
 
@@ -91,6 +93,45 @@ def test_replay_train_selects_trains_validates_gates_and_registers(settings: Har
     assert by_name["validate"]["episodes"] == 2 * 44 and by_name["evaluate"]["episodes"] == 100
     assert by_name["reference"]["episodes"] == 100  # evaluated: nothing cached yet
     assert [s["stage"] for s in orjson.loads((run / "stages.json").read_bytes())][-1] == "register"
+
+    # The store's row of the run: what the console shows, from any host.
+    (row,) = _training_runs(settings)
+    assert row.id == outcome.run_id and row.status == "completed" and row.error is None
+    assert (row.name, row.mode, row.host, row.run_dir) == ("tools", "sft", socket.gethostname(), str(run))
+    assert row.stages == orjson.loads((run / "stages.json").read_bytes()) and row.adapter_version == 1
+    curves = row.metrics["curves"]
+    assert [step for step, _ in curves["loss"]] == list(range(1, len(curves["loss"]) + 1))
+    assert curves["loss"] and all(loss > 0 for _, loss in curves["loss"]) and curves["reward"] == []
+    checkpoints = sorted((path.name for path in run.glob("checkpoint-*")), key=lambda n: int(n.split("-")[1]))
+    assert len(checkpoints) == 2 and [(v["stage"], v["label"]) for v in curves["validation"]] == [
+        ("sft", c) for c in checkpoints]
+    assert all(0 <= v["metrics"]["success_rate"] <= 1 for v in curves["validation"])
+    reference, candidate = row.metrics["reports"]
+    assert (reference["role"], reference["model"]) == ("reference", "base") and candidate["role"] == "candidate"
+    assert {"model": "base", **reference["metrics"]} == stored["reference"] and candidate["metrics"] == stored["test"]
+    assert candidate["episodes"] == 100 and row.metrics["gate"] == stored["gate"]
+    assert row.metrics["registered"] == {"name": "tools", "version": 1, "status": version.status, "published": False}
+
+
+def _training_runs(settings: HarnessSettings) -> list[training_runs.TrainingRun]:
+    async def read() -> list[training_runs.TrainingRun]:
+        store = TrajectoryStore(settings.store.location)
+        await store.start()
+        try:
+            return await training_runs.list_runs(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(read())
+
+
+def test_a_run_that_cannot_go_on_leaves_a_failed_row_with_why(settings: HarnessSettings) -> None:
+    with pytest.raises(ReplayTrainError, match="no trajectories match the filters"):
+        asyncio.run(replay_train(settings, Filters(source="demo"), console=Console(quiet=True)))
+    (row,) = _training_runs(settings)
+    assert row.status == "failed" and row.name == "tools" and row.mode == "sft"
+    assert row.error.startswith("no trajectories match the filters") and row.stages == [] and row.metrics is None
+    assert row.adapter_version is None and AdapterRegistry(settings.store.path).all() == []
 
 
 def test_publish_registers_publishes_and_promotes_on_a_running_gateway(capitals: HarnessSettings, tmp_path: Path,
@@ -281,12 +322,20 @@ def test_sft_then_rl_starts_from_the_sft_candidate(settings: HarnessSettings) ->
     assert outcome.registered is not None
     stored = AdapterRegistry(settings.store.path).get("tools", 1).metrics
     assert stored["mode"] == "sft+rl" and stored["rl"]["steps"] == 1
+    (row,) = _training_runs(settings)
+    curves = row.metrics["curves"]
+    assert curves["loss"] and [v["label"] for v in curves["validation"] if v["stage"] == "rl"] == ["RL step 0",
+                                                                                                 "RL step 1"]
+    assert [step for step, _ in curves["reward"]] == [1] and isinstance(curves["reward"][0][1], float)
+    assert row.metrics["rl"]["steps"] == 1 and [s["stage"] for s in row.stages][-3:] == ["evaluate", "gate",
+                                                                                         "register"]
     run = outcome.run_dir
     assert (run / "sft" / "loss.png").is_file() and (run / "rl" / "rl.png").is_file()
     reports = orjson.loads((run / "eval.json").read_bytes())
     if stored["rl"]["best_step"]:
         assert [r["model"] for r in reports] == ["base", "before RL", "tools (candidate)"]
         assert stored["before_rl"]["model"] == "before RL"
+        assert [r["role"] for r in row.metrics["reports"]] == ["reference", "before RL", "candidate"]
     else:  # RL kept the SFT candidate: it is the candidate itself
         assert [r["model"] for r in reports] == ["base", "tools (candidate)"]
         assert stored["checkpoint"].startswith("sft/checkpoint-")

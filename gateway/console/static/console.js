@@ -6,7 +6,12 @@ function followLive(timeline) {
   const source = new EventSource(timeline.dataset.live);
   const refresh = async () => {
     const response = await fetch(timeline.dataset.fragment, { credentials: "same-origin" });
-    if (response.ok) timeline.innerHTML = await response.text();
+    if (!response.ok) return;
+    timeline.innerHTML = await response.text();
+    // The facts above the timeline say the run's status too: keep them in step with it.
+    const now = timeline.querySelector(".timeline-status");
+    const facts = document.getElementById("status");
+    if (now && facts) facts.innerHTML = now.innerHTML;
   };
   source.addEventListener("step", refresh);
   source.addEventListener("end", async () => {

@@ -8,20 +8,19 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
+from gateway.app import build_app
+from gateway.config import load_settings
 from tests.extras import skip_without
+from tests.processes import create_key
+from tests.scripted import SCRIPTED_BACKEND, ScriptedBackend, serve_scripted
+from tests.standin import ServerThread
 
-skip_without("browse")
-
-from playwright.sync_api import Browser, Page, sync_playwright  # noqa: E402
-
-from gateway.app import build_app  # noqa: E402
-from gateway.config import load_settings  # noqa: E402
-from tests.processes import create_key  # noqa: E402
-from tests.scripted import SCRIPTED_BACKEND, ScriptedBackend, serve_scripted  # noqa: E402
-from tests.standin import ServerThread  # noqa: E402
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser, Page
 
 ADMIN_KEY = "sk-admin-console-test"
 ROOT = Path(__file__).resolve().parents[3]
@@ -38,6 +37,7 @@ path = "{db}"
 
 [console]
 approvers = {approvers}
+{console_settings}
 """ + SCRIPTED_BACKEND + """
 [[profiles]]
 name = "calc"
@@ -64,24 +64,36 @@ class Console:
 
 
 def serve_console(tmp_path: Path, script: list, *, tenants: tuple[str, ...] = ("acme", "globex"),
-                  approvers: tuple[str, ...] = (), extra: str = "") -> Iterator[Console]:
+                  approvers: tuple[str, ...] = (), extra: str = "", console_settings: str = "",
+                  keep_backends: tuple[str, ...] = ()) -> Iterator[Console]:
     """A gateway with the console, an admin key and one API key per tenant (so it is not an open gateway); its
-    model answers with ``script``. ``approvers`` names tenants whose keys are console approvers."""
+    model answers with ``script``. ``approvers`` names tenants whose keys are console approvers;
+    ``console_settings`` are more lines of its ``[console]`` table (``page_size = 3``); ``extra`` is appended to
+    its config; ``keep_backends`` names backends of ``extra`` that start and serve beside the script (one that
+    loads adapters)."""
     config = tmp_path / "h.toml"
     db = tmp_path / "h.db"
-    config.write_text(CONFIG.format(db=db, approvers="[]") + extra)
+    config.write_text(CONFIG.format(db=db, approvers="[]", console_settings=console_settings) + extra)
     keys = {tenant: create_key(config, tenant) for tenant in tenants}
     approver_ids = [keys[t][0] for t in approvers]
-    config.write_text(CONFIG.format(db=db, approvers=str(approver_ids).replace("'", '"')) + extra)
+    config.write_text(CONFIG.format(db=db, approvers=str(approver_ids).replace("'", '"'),
+                                    console_settings=console_settings) + extra)
     app = build_app(load_settings(config, environ={"HARNESS_ADMIN_KEY": ADMIN_KEY}))
     backend = ScriptedBackend(script)
+    kept = [b for b in app.state.gateway.backends if b.name in keep_backends]
     serve_scripted(app, backend)
+    app.state.gateway.backends.extend(kept)
     with ServerThread(app, lifespan="on") as server:
         yield Console(server.url, backend, app, config, db, keys)
 
 
-@pytest.fixture(scope="session")
+# Per module: Playwright's sync API keeps an event loop running in this thread while it is open, and the async tests
+# of other modules need none running.
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
+    skip_without("browse")  # here, not at import: the console's pure tests beside these need no browser
+    from playwright.sync_api import sync_playwright
+
     with sync_playwright() as playwright:
         launched = playwright.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
         yield launched
