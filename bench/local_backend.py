@@ -3,6 +3,7 @@ held to a JSON Schema (constrained decoding).
 
     python -m bench.local_backend [--max-tokens 64] [--concurrency 8] [--rounds 3] [--cache-dir DIR] [--threads T]
     python -m bench.local_backend --episodes 16 [--adapter DIR]   # agent episodes, prefix cache off vs on
+    python -m bench.local_backend --evaluation 16 [--adapter DIR] [--rounds 3]   # evaluation, before and with levers
 
 ``--episodes N``: N tools-suite validation tasks through the agent loop at temperature 0 (8 at once), with the base
 and a trained adapter (``--adapter``, by default the committed fixture ``bench/fixtures/tools-sft-r4``, whose
@@ -96,13 +97,14 @@ def _mask_ms(backend: LocalBackend, rows: int, steps: int = 200) -> float:
     return statistics.median(times) * 1000
 
 
-async def _episodes_child(count: int, adapter: str | None, cache_mb: int) -> dict[str, Any]:
-    """One configuration's episodes, in this (fresh) process."""
+async def _episodes_child(count: int, adapter: str | None, cache_mb: int,
+                          overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One configuration's episodes, in this (fresh) process; ``overrides``: ``[training]`` settings."""
     from training.evaluate import Evaluator, spread
     from training.settings import TrainingSettings
     from training.tasks import get_suite
 
-    settings = TrainingSettings()
+    settings = TrainingSettings(**(overrides or {}))
     suite = get_suite("tools", data_dir=settings.tasks_dir)
     tasks = spread(suite.tasks("validation"), count)
     async with Evaluator(settings, prefix_cache_mb=cache_mb) as evaluator:
@@ -149,6 +151,40 @@ def _episodes(count: int, adapter_dir: str | None) -> None:
               f"({on['steps'] / on['episodes']:.1f} steps per episode)")
 
 
+# How evaluation ran before each lever, and with them (``[training]`` settings), for --evaluation.
+EVALUATIONS = {
+    "before": {"eval_merge_adapter": False, "eval_concurrency": 8},
+    "merged": {"eval_merge_adapter": True, "eval_concurrency": 8},
+    "merged, 16 at once": {"eval_merge_adapter": True, "eval_concurrency": 16},
+    "merged, 32 at once": {"eval_merge_adapter": True, "eval_concurrency": 32},
+}
+
+
+def _evaluation(count: int, adapter: str, rounds: int) -> None:
+    """Evaluation episodes under each of ``EVALUATIONS``, each run in a fresh process, the configurations interleaved
+    for ``rounds`` rounds: the median cost of an episode and of a step, and each against the first."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in EVALUATIONS}
+    for round_ in range(rounds):
+        for name, overrides in EVALUATIONS.items():
+            out = subprocess.run([sys.executable, "-m", "bench.local_backend", "--child-episodes",
+                                  json.dumps([count, adapter, DEFAULT_PREFIX_CACHE_MB, overrides])],
+                                 capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent, check=True)
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            runs[name].append(r)
+            print(f"round {round_ + 1}, {name:28}: {r['episodes']} episodes, {r['steps']} steps, {r['successes']} "
+                  f"solved, {r['seconds']:6.1f} s = {r['seconds'] / r['episodes']:.2f} s an episode; peak RSS "
+                  f"{r['peak_rss_mb']:,.0f} MiB")
+    base = statistics.median(r["seconds"] / r["episodes"] for r in runs[next(iter(EVALUATIONS))])
+    print("| evaluation | s an episode | s a step | steps | solved | against the first | peak RSS |")
+    print("|---|---|---|---|---|---|---|")
+    for name, rs in runs.items():
+        episode = statistics.median(r["seconds"] / r["episodes"] for r in rs)
+        step = statistics.median(r["seconds"] / r["steps"] for r in rs)
+        print(f"| {name} | {episode:.2f} | {step:.2f} | {statistics.median(r['steps'] for r in rs):.0f} | "
+              f"{statistics.median(r['successes'] for r in rs):.0f} of {rs[0]['episodes']} | {episode / base:.2f} | "
+              f"{statistics.median(r['peak_rss_mb'] for r in rs):,.0f} MiB |")
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -160,10 +196,15 @@ async def main() -> None:
     parser.add_argument("--adapter", default=str(FIXTURE),
                         help="With --episodes: a trained adapter folder to compare too (default: the committed "
                              "fixture, whose episodes take several steps; '' for the base alone).")
+    parser.add_argument("--evaluation", type=int, default=0, help="Compare N evaluation episodes (with --adapter) as "
+                        "evaluation ran before each lever and with them, interleaved for --rounds rounds, and stop.")
     parser.add_argument("--child-episodes", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_episodes:
         print(json.dumps(await _episodes_child(*json.loads(args.child_episodes))))
+        return
+    if args.evaluation:
+        _evaluation(args.evaluation, args.adapter, args.rounds)
         return
     if args.episodes:
         _episodes(args.episodes, args.adapter)

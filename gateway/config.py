@@ -117,6 +117,10 @@ class BackendSettings(Section):
     prefix_cache_mb: int = Field(256, ge=0, description="local: memory for keys and values kept across requests, "
                                  "so a prompt that starts like an earlier one prefills only the rest (0: off).")
     threads: int | None = Field(None, gt=0, description="local: torch threads (default: all cores).")
+    merge_lone_adapter: bool = Field(False, description="local: while every row of a batch runs one adapter, run "
+                                     "it merged into the base weights (a step as fast as the base model's), "
+                                     "unmerging when a batch needs another: for evaluations of one adapter at a "
+                                     "time (replay-train sets it), not for mixed traffic.")
     map_large_allocations: bool = Field(True, description="local: have glibc map every allocation of 1 MiB or more, "
                                         "so freed activations go back to the system at once (a lower, steadier "
                                         "RSS for a long-lived server, for page faults: about a tenth more time "
@@ -467,13 +471,18 @@ def load_settings(path: str | os.PathLike[str] | None = None, environ: Mapping[s
     return load_with_sources(path, environ, flags=flags, model=model)[0]
 
 
-def _fill_secrets(settings: Settings, env: Mapping[str, str]) -> None:
-    # Secrets never sit in the file or in a dump: each *_env key names the variable that holds one.
-    settings.server.admin_key = env.get(settings.server.admin_key_env) or None
-    settings.bot.secret = env.get(settings.bot.secret_env) or None
-    wecom = settings.bot.wecom
-    wecom.token, wecom.aes_key, wecom.corp_secret = (env.get(name) or None for name in (
-        wecom.token_env, wecom.aes_key_env, wecom.corp_secret_env))
-    for backend in settings.backends:
-        if backend.api_key_env:
-            backend.api_key = env.get(backend.api_key_env) or None
+def _fill_secrets(settings: BaseModel, env: Mapping[str, str]) -> None:
+    # Secrets never sit in the file or in a dump: each *_env key names the variable that holds one, and the field of
+    # the same name without _env (excluded from dumps) gets its value, in every section and list entry, whichever
+    # package's section it is (training's too).
+    for name in type(settings).model_fields:
+        value = getattr(settings, name)
+        if name.endswith("_env") and name[:-4] in type(settings).model_fields:
+            if isinstance(value, str) and value:
+                setattr(settings, name[:-4], env.get(value) or None)
+        elif isinstance(value, BaseModel):
+            _fill_secrets(value, env)
+        elif isinstance(value, list):
+            for item in value:
+                if isinstance(item, BaseModel):
+                    _fill_secrets(item, env)

@@ -155,6 +155,11 @@ def replay_train_command(filters: Filters,
                          name: str | None = typer.Option(None, "--name", help="Adapter name (default: the suite's)."),
                          publish: str | None = typer.Option(None, "--publish", help="A running gateway's URL: upload, "
                                                             "publish and promote the adapter there if it passes."),
+                         teacher: str | None = typer.Option(None, "--teacher", help="A model the gateway at "
+                                                            "[training.correction] teacher_url (default --publish's "
+                                                            "URL) serves, to label on-policy correction rounds "
+                                                            "instead of the suite's solver (key from "
+                                                            "HARNESS_TEACHER_KEY); turns one round on if none is set."),
                          config: str | None = ConfigOption) -> None:
     """Select, reward, train (SFT, group-relative RL, or both), pick a checkpoint on validation, gate on test,
     register, publish. Exits 0 when the candidate passed the gate, 1 when it was refused (it is still registered,
@@ -173,6 +178,11 @@ def replay_train_command(filters: Filters,
     if init is not None and mode != "rl":
         fail("--init applies to --mode rl only (sft+rl starts from its own SFT candidate)", 2)
     start = init if init in (None, "base") else adapter_folder(settings, init)
+    if teacher is not None:
+        correction = settings.training.correction
+        url = correction.teacher_url if "teacher_url" in correction.model_fields_set or not publish else publish
+        settings.training.correction = correction.model_copy(update={
+            "teacher": teacher, "teacher_url": url, "rounds": correction.rounds or 1})
     try:
         outcome = asyncio.run(replay_train(settings, filters, mode=mode, init=start, name=name, publish=publish,
                                            console=console))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import structlog
 
@@ -36,20 +37,26 @@ async def run_episode(suite: Suite, task: Task, backend: Backend, *, model: str,
                       temperature: float = 0.0, constrain_tool_calls: bool = False,
                       unseen_tools: frozenset[str] = frozenset(),
                       recorder_for: RecorderFor | None = None,
-                      token_counter: Callable[..., int] | None = None, timeout_s: float | None = None) -> Episode:
+                      token_counter: Callable[..., int] | None = None, timeout_s: float | None = None,
+                      messages: list[dict[str, Any]] | None = None) -> Episode:
     """``task`` run once with ``suite``'s tools (its fault injected) and judged by its verifier. ``unseen_tools``:
     the tools no train or validation task offers (``test_only_markers``), for ``unseen_tool_success_rate``.
     ``constrain_tool_calls``: the engine holds each call the model opens to an offered tool's schema.
     ``timeout_s``: the episode's wall-clock limit; past it the run is cancelled and recorded as terminated
-    (``episode_timeout``), a failure, so one stuck episode cannot hold up a whole evaluation."""
+    (``episode_timeout``), a failure, so one stuck episode cannot hold up a whole evaluation. ``messages``: the
+    conversation so far (default: the system prompt and the task's prompt); the episode goes on from there, the
+    task's fault counting the calls it made as run."""
     profile = Profile(name=suite.name, model=model, system_prompt=suite.system_prompt, tools=list(task.tools),
                       limits=EPISODE_LIMITS, temperature=temperature, max_tokens=max_tokens,
                       constrain_tool_calls=constrain_tool_calls)
     state = RunState(run_id=new_id(), profile=profile.name,
-                     messages=[{"role": "system", "content": suite.system_prompt},
-                               {"role": "user", "content": task.prompt}])
+                     messages=list(messages) if messages else [{"role": "system", "content": suite.system_prompt},
+                                                               {"role": "user", "content": task.prompt}])
+    toolbox = suite.toolbox(task)
+    if messages:
+        toolbox.resume(messages)
     recorder = await recorder_for(task, profile, state) if recorder_for else _NoRecorder()
-    loop = AgentLoop(profile=profile, backend=backend, toolbox=suite.toolbox(task), recorder=recorder, state=state,
+    loop = AgentLoop(profile=profile, backend=backend, toolbox=toolbox, recorder=recorder, state=state,
                      token_counter=token_counter)
     loop.cancelled_as = ("terminated", EPISODE_TIMEOUT)
     try:

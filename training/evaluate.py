@@ -69,6 +69,7 @@ class Evaluator:
         self.backend = LocalBackend(BackendSettings(
             name="eval", kind="local", models=[settings.base_model], model_path=settings.model_path,
             max_batch_size=max(settings.eval_concurrency, 1),
+            merge_lone_adapter=settings.eval_merge_adapter,
             map_large_allocations=settings.map_large_allocations, **cache))
         self._started = False
         self._adapters: dict[str, str] = {}  # folder -> the name it is loaded under
@@ -150,6 +151,18 @@ class Evaluator:
         return Report(model=label or (str(adapter) if adapter else "base"), suite=suite.name, split=split,
                       metrics=metrics, episodes=episodes, seconds=time.perf_counter() - started,
                       general_losses=losses)
+
+
+def combine(reports: list[Report]) -> Report:
+    """One model's reports on parts of a task set as one report: episodes in order, seconds added, the general
+    losses of whichever part had them, the metrics of the whole."""
+    episodes = [e for r in reports for e in r.episodes]
+    losses = next((r.general_losses for r in reports if r.general_losses), [])
+    metrics = metrics_of(episodes)
+    metrics["general_perplexity"] = perplexity_of(losses) if losses else None
+    first = reports[0]
+    return Report(model=first.model, suite=first.suite, split=first.split, metrics=metrics, episodes=episodes,
+                  seconds=sum(r.seconds for r in reports), general_losses=list(losses))
 
 
 def spread(tasks: list[Task], count: int) -> list[Task]:

@@ -30,9 +30,9 @@ from training import data
 from training.capture import label_episodes, store_recorder
 from training.evaluate import Evaluator
 from training.general import GeneralCheck
-from training.metrics import Episode, rank
+from training.metrics import Episode
+from training.rounds import train_round
 from training.settings import HarnessSettings
-from training.sft import SFTConfig, train_sft
 from training.stages import Stages
 from training.tasks import Suite
 
@@ -76,22 +76,12 @@ async def expert_iteration(settings: HarnessSettings, suite: Suite, evaluator: E
                 rows, _ = await asyncio.to_thread(
                     data.examples_from_store, settings.store.location, Filters(ids=tuple(e.run_id for e in keep)),
                     tokenizer, max_seq_len=training.max_seq_len, exclude=exclude, rendering=training.tool_rendering)
-                replayed = rng.sample(demonstrations, min(len(demonstrations), round(expert.replay * len(rows))))
-                rows = data.mix(rows + replayed, general_rows, min_recovered_share=0.0,
-                                general_share=training.general_share, seed=training.seed + r)
-                result = await asyncio.to_thread(
-                    train_sft, training.model_path, rows,
-                    SFTConfig.from_settings(training, epochs=expert.epochs, learning_rate=expert.learning_rate,
-                                            checkpoints=1), out / f"round-{r}",
-                    init_adapter=current)
-                result.model = None
-                checkpoint = result.checkpoints[-1]
-                report = await evaluator.evaluate(suite.name, "validation", checkpoint, label=f"expert round {r}")
-                better = rank(report.metrics) > rank(current_metrics)
-                record.update(rows=len(rows), tokens=result.tokens, checkpoint=str(checkpoint),
-                              validation=report.metrics, action="kept" if better else "rejected")
-                if better:
-                    current, current_metrics = checkpoint, report.metrics
+                trained, current, current_metrics = await train_round(
+                    training, suite, evaluator, rows, demonstrations=demonstrations, replay=expert.replay,
+                    general_rows=general_rows, rng=rng, seed=training.seed + r, epochs=expert.epochs,
+                    learning_rate=expert.learning_rate, out=out / f"round-{r}", current=current,
+                    current_metrics=current_metrics, label=f"expert round {r}")
+                record.update(trained)
             else:
                 record["action"] = "nothing to keep"
             rounds.append(record)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 from rich.table import Table
@@ -63,10 +63,21 @@ class Check:
     n: int  # the tasks (or texts) it rests on
     passed: bool
     note: str = ""
+    opposite: float | None = None  # the other one-sided bound, at the same confidence: whether a failure is settled
 
     @property
     def skipped(self) -> bool:
         return self.bound is None
+
+    @property
+    def settled_failure(self) -> bool:
+        """Whether the check fails beyond noise: its other bound already lies on the wrong side of the threshold, so
+        more tasks would not make it pass (a sequential gate stops there)."""
+        if self.passed or self.opposite is None:
+            return False
+        if self.side == "lower":
+            return self.opposite <= self.threshold if self.relation == ">" else self.opposite < self.threshold
+        return self.opposite > self.threshold
 
 
 @dataclass(frozen=True)
@@ -77,13 +88,18 @@ class Decision:
     samples: int
     confidence: float
     seed: int
+    looks: list[dict[str, Any]] = field(default_factory=list)  # a sequential gate's looks: tasks, confidence, outcome
+
+    @property
+    def settled_failure(self) -> bool:
+        return any(c.settled_failure for c in self.checks)
 
     def failures(self) -> list[Check]:
         return [c for c in self.checks if not c.passed]
 
     def as_dict(self) -> dict[str, Any]:
         return {"passed": self.passed, "tasks": self.tasks, "samples": self.samples, "confidence": self.confidence,
-                "seed": self.seed, "checks": [asdict(c) for c in self.checks]}
+                "seed": self.seed, "checks": [asdict(c) for c in self.checks], "looks": self.looks}
 
     def summary(self) -> str:
         if self.passed:
@@ -127,6 +143,85 @@ def decide(candidate: Evaluated, reference: Evaluated, *, baselines: dict[str, f
                     confidence=gate.confidence, seed=gate.seed)
 
 
+def spending(looks: Sequence[int], confidence: float) -> list[float]:
+    """Each look's confidence when the gate looks after ``looks`` tasks (increasing; the last is all of them): the
+    false-accept rate ``1 - confidence`` spent as ``alpha * t**2`` of the share ``t`` of tasks seen (a power spending
+    function: little early, most at the end). An accept at any look needs every check to pass at that look's
+    confidence, so by the union bound the false-accept rate over all looks is at most ``1 - confidence``."""
+    alpha, total = 1 - confidence, looks[-1]
+    spent = [alpha * (n / total) ** 2 for n in looks]
+    return [1 - (spent[i] - (spent[i - 1] if i else 0.0)) for i in range(len(looks))]
+
+
+def order_for_looks(tasks: Sequence[Task], first: int, min_faulted: int) -> list[Task]:
+    """The gate's tasks in the order a sequential gate runs them: the first look's ``first`` tasks hold
+    ``min_faulted`` faulted ones (so the recovery check can be judged there), every block the families in turn."""
+    faulted = _by_family_in_turn([t for t in tasks if t.fault is not None])
+    others = _by_family_in_turn([t for t in tasks if t.fault is None])
+    head = faulted[:min_faulted] + others[:max(0, first - min_faulted)]
+    chosen = {t.id for t in head}
+    return head + _by_family_in_turn([t for t in tasks if t.id not in chosen])
+
+
+def _by_family_in_turn(tasks: Sequence[Task]) -> list[Task]:
+    families: dict[str, list[Task]] = defaultdict(list)
+    for t in tasks:
+        families[t.family].append(t)
+    queues = list(families.values())
+    out = []
+    while any(queues):
+        for queue in queues:
+            if queue:
+                out.append(queue.pop(0))
+    return out
+
+
+def look_points(gate: GateSettings) -> list[int]:
+    """The task counts after which the gate decides: ``looks``, then all ``tasks``."""
+    return [*gate.looks, gate.tasks]
+
+
+def decide_at_look(candidate: Evaluated, reference: Evaluated, *, baselines: dict[str, float],
+                   solver_steps: dict[str, int], gate: GateSettings, look: int, confidence: float,
+                   history: list[dict[str, Any]]) -> tuple[Decision, bool]:
+    """One look of a sequential gate, on the episodes so far: the decision at the look's ``confidence``, and whether
+    it is settled (every check passed, or one failed beyond noise, or it is the last look)."""
+    decision = decide(candidate, reference, baselines=baselines, solver_steps=solver_steps,
+                      gate=gate.model_copy(update={"confidence": confidence}))
+    last = look == len(gate.looks)
+    settled = decision.passed or decision.settled_failure or last
+    outcome = "passed" if decision.passed else "refused" if settled else "continue"
+    looks = [*history, {"tasks": decision.tasks, "confidence": confidence, "outcome": outcome}]
+    return replace(decision, looks=looks), settled
+
+
+def decide_in_looks(candidate: list[Episode], reference: list[Episode], *, suite: Suite, tasks: Sequence[Task],
+                    solver_steps: dict[str, int], gate: GateSettings) -> Decision:
+    """The sequential gate on episodes already run on every task: each look decides on the tasks the gate would have
+    run by then (``order_for_looks``), up to the first settled one. The same decisions ``training/gating.py`` makes
+    while it runs the tasks, for tests and simulations."""
+    points = look_points(gate)
+    ordered = order_for_looks(tasks, points[0], gate.min_faulted)
+    decision: Decision | None = None
+    for look, (count, confidence) in enumerate(zip(points, spending(points, gate.confidence), strict=True)):
+        seen = {t.id for t in ordered[:count]}
+        decision, settled = decide_at_look(
+            _Episodes([e for e in candidate if e.task_id in seen]),
+            _Episodes([e for e in reference if e.task_id in seen]),
+            baselines=baselines(suite, ordered[:count]), solver_steps=solver_steps, gate=gate, look=look,
+            confidence=confidence, history=decision.looks if decision else [])
+        if settled:
+            break
+    assert decision is not None
+    return decision
+
+
+@dataclass
+class _Episodes:
+    episodes: list[Episode]
+    general_losses: list[Loss] = field(default_factory=list)
+
+
 def _pairs(candidate: list[Episode], reference: list[Episode], solver_steps: dict[str, int]) -> list[_Pair]:
     by_task: dict[str, dict[str, list[Episode]]] = defaultdict(lambda: {"candidate": [], "reference": []})
     for side, episodes in (("candidate", candidate), ("reference", reference)):
@@ -149,16 +244,16 @@ def _gain(items: Sequence[_Pair]) -> float:
 
 
 def _success_gain(pairs: list[_Pair], boot: dict[str, Any]) -> Check:
-    estimate, lower, _ = paired_bootstrap(pairs, _gain, **boot)
+    estimate, lower, upper = paired_bootstrap(pairs, _gain, **boot)
     return Check("success gain", _rate(pairs, "reference"), _rate(pairs, "candidate"), estimate, lower, "lower",
-                 0.0, ">", len(pairs), lower > 0)
+                 0.0, ">", len(pairs), lower > 0, opposite=upper)
 
 
 def _over_baselines(pairs: list[_Pair], baselines: dict[str, float], confidence: float) -> list[Check]:
     rate = _rate(pairs, "candidate")
-    lower, _ = rate_bounds(rate * len(pairs), len(pairs), confidence)
-    return [Check(f"over {name}", baseline, rate, rate, lower, "lower", baseline, ">", len(pairs), lower > baseline)
-            for name, baseline in baselines.items()]
+    lower, upper = rate_bounds(rate * len(pairs), len(pairs), confidence)
+    return [Check(f"over {name}", baseline, rate, rate, lower, "lower", baseline, ">", len(pairs), lower > baseline,
+                  opposite=upper) for name, baseline in baselines.items()]
 
 
 def _invalid_rise(pairs: list[_Pair], boot: dict[str, Any], margin: float) -> Check:
@@ -169,12 +264,12 @@ def _invalid_rise(pairs: list[_Pair], boot: dict[str, Any], margin: float) -> Ch
         made = calls(items, side)
         return sum(e.invalid_calls for p in items for e in getattr(p, side)) / made if made else 0.0
 
-    estimate, _, upper = paired_bootstrap(
+    estimate, lower, upper = paired_bootstrap(
         pairs, lambda items: invalid_rate(items, "candidate") - invalid_rate(items, "reference"), **boot)
     # A side that made (almost) no calls has a rate that says little: resamples without its calls count it 0.
     return Check("invalid-call rise", invalid_rate(pairs, "reference"), invalid_rate(pairs, "candidate"), estimate,
                  upper, "upper", margin, "≤", len(pairs), upper <= margin,
-                 f"{calls(pairs, 'reference')} calls against {calls(pairs, 'candidate')}")
+                 f"{calls(pairs, 'reference')} calls against {calls(pairs, 'candidate')}", opposite=lower)
 
 
 def _recovery_drop(pairs: list[_Pair], boot: dict[str, Any], margin: float, min_faulted: int) -> Check:
@@ -185,9 +280,9 @@ def _recovery_drop(pairs: list[_Pair], boot: dict[str, Any], margin: float, min_
     if len(faulted) < min_faulted:
         return Check("recovery drop", reference, candidate, candidate - reference, None, "lower", -margin, "≥",
                      len(faulted), False, f"{len(faulted)} faulted tasks, fewer than the {min_faulted} required")
-    estimate, lower, _ = paired_bootstrap(faulted, _gain, **boot)
+    estimate, lower, upper = paired_bootstrap(faulted, _gain, **boot)
     return Check("recovery drop", reference, candidate, estimate, lower, "lower", -margin, "≥", len(faulted),
-                 lower >= -margin)
+                 lower >= -margin, opposite=upper)
 
 
 def _excess_steps(pairs: list[_Pair], boot: dict[str, Any], margin: float) -> Check:
@@ -199,9 +294,9 @@ def _excess_steps(pairs: list[_Pair], boot: dict[str, Any], margin: float) -> Ch
     def excess(items: Sequence[tuple[float, float, int]], side: int) -> float:
         return mean([max(item[side] - item[2], 0.0) for item in items])
 
-    estimate, _, upper = paired_bootstrap(both, lambda items: excess(items, 0) - excess(items, 1), **boot)
+    estimate, lower, upper = paired_bootstrap(both, lambda items: excess(items, 0) - excess(items, 1), **boot)
     return Check("excess steps", excess(both, 1), excess(both, 0), estimate, upper, "upper", margin, "≤", len(both),
-                 upper <= margin)
+                 upper <= margin, opposite=lower)
 
 
 def _perplexity_rise(candidate: list[Loss], reference: list[Loss], boot: dict[str, Any], margin: float) -> Check:
@@ -216,9 +311,9 @@ def _perplexity_rise(candidate: list[Loss], reference: list[Loss], boot: dict[st
         tokens = sum(r[1] for _, r in items)
         return math.exp((sum(c[0] for c, _ in items) - sum(r[0] for _, r in items)) / tokens) - 1
 
-    estimate, _, upper = paired_bootstrap(texts, rise, **boot)
+    estimate, lower, upper = paired_bootstrap(texts, rise, **boot)
     return Check("perplexity rise", perplexity_of(reference), perplexity_of(candidate), estimate, upper, "upper",
-                 margin, "≤", len(texts), upper <= margin)
+                 margin, "≤", len(texts), upper <= margin, opposite=lower)
 
 
 def _rate(pairs: Sequence[_Pair], side: str) -> float:

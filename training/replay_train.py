@@ -11,6 +11,10 @@
 4. train (sft): LoRA SFT (``[training]``), ``checkpoints`` evenly spaced checkpoints;
 5. validate (sft): every checkpoint on the suite's validation split; the best (success, then valid calls, then
    fewer invalid calls) is the candidate;
+5a. on-policy correction (sft, sft+rl; ``training/correction.py``, ``[training.correction] rounds``): the
+   candidate's own episodes on train tasks, each state where its turn differs from the teacher's (the suite's
+   solver, or ``--teacher MODEL`` through a gateway) labelled with the teacher's turn and trained on (DAgger); a
+   round's checkpoint replaces the candidate when validation ranks it higher;
 5b. expert iteration (sft, sft+rl; ``training/expert.py``, ``[training.expert] rounds``): the candidate's own
    verified, clean episodes on train tasks it does not always solve, trained on from it; a round's checkpoint
    replaces the candidate when validation ranks it higher;
@@ -51,20 +55,23 @@ from replay.filters import Filters
 from replay.rewards import recompute, signal_weights, step_limits
 from replay.store import TrajectoryStore
 from training import data
+from training.correction import correction_rounds
 from training.evaluate import Evaluator, report_table, write_reports
 from training.expert import expert_iteration
-from training.gate import Decision, baselines, decide, decision_table, solver_steps
+from training.gate import Decision, decision_table, solver_steps
+from training.gating import gate_reports
 from training.general import GeneralCheck
 from training.groups import Group, similar_batches
 from training.metrics import rank
-from training.references import ReferenceCache, reference_report
+from training.references import ReferenceCache
 from training.rl import RLConfig, train_rl
 from training.rollouts import Rollouts, groups_from_store
 from training.run_record import RunRecord
-from training.settings import HarnessSettings
+from training.settings import CorrectionSettings, HarnessSettings
 from training.sft import SFTConfig, load_base, train_sft
 from training.stages import Stages
 from training.tasks import Suite, Task, get_suite, leak_filter
+from training.teacher import ServedTeacher, SolverTeacher, Teacher
 
 MODES = ("sft", "rl", "sft+rl")
 
@@ -138,16 +145,28 @@ async def _pipeline(settings: HarnessSettings, filters: Filters, *, mode: str, i
     reference_label = active.backend_name if active else "base"
     general = GeneralCheck(training)
     expert_rounds: list[dict[str, Any]] | None = None
+    correction_rounds_done: list[dict[str, Any]] | None = None
     async with Evaluator(training) as evaluator:
         if "sft" in mode:
             candidate, validation, demonstrations = await _sft(settings, filters, suite, gate_tasks, general,
                                                                evaluator, run_dir / "sft" if "rl" in mode else run_dir,
                                                                stage, record)
+            if training.correction.rounds:
+                teacher = teacher_of(training.correction)
+                try:
+                    candidate, validation, correction_rounds_done = await correction_rounds(
+                        settings, suite, evaluator, general, candidate, validation, run_dir / "correction",
+                        teacher=teacher, demonstrations=demonstrations, exclude=leak_filter(suite, gate_tasks),
+                        stage=stage)
+                finally:
+                    if isinstance(teacher, ServedTeacher):
+                        await teacher.aclose()
+                record.rounds("correction", correction_rounds_done)
             if training.expert.rounds:
                 candidate, validation, expert_rounds = await expert_iteration(
                     settings, suite, evaluator, general, candidate, validation, run_dir / "expert",
                     demonstrations=demonstrations, exclude=leak_filter(suite, gate_tasks), stage=stage)
-                record.expert(expert_rounds)
+                record.rounds("expert", expert_rounds)
         else:
             candidate = None if init == "base" else Path(init) if init else reference
             validation = {}
@@ -161,27 +180,18 @@ async def _pipeline(settings: HarnessSettings, filters: Filters, *, mode: str, i
                                    "adapter it started from, which is the one serving now")
 
         # -- test and gate ------------------------------------------------------------------------------------
-        # Both on the same gate tasks; the reference's report comes from the cache while its weights, the tasks
-        # and the settings are the same.
-        before, cached = await reference_report(evaluator, ReferenceCache(Path(training.output_dir) / "references"),
-                                                suite, gate_tasks, reference, training, label=reference_label,
-                                                general=general.losses)
-        stage("reference", f"{reference_label}: its gate report " + ("from the cache" if cached else
-              f"evaluated on {len(gate_tasks)} gate tasks"), episodes=0 if cached else len(before.episodes))
+        # Both on the same gate tasks, in one look or several (training/gating.py); the reference's report comes
+        # from the cache while its weights, the tasks and the settings are the same.
         # What RL started from gets its own column when it is neither the reference nor the candidate.
         columns = [(start, "before RL")] if "rl" in mode and start not in (None, reference, candidate) else []
         columns.append((candidate, f"{name} (candidate)"))
-        reports = [before] + [await evaluator.evaluate_tasks(suite, gate_tasks, model, split="gate",
-                                                             samples=gate.samples, temperature=gate.temperature,
-                                                             general=general.losses, label=label)
-                              for model, label in columns]
-        stage("evaluate", ", ".join(f"{r.model}: success {r.metrics['success_rate']:.0%}" for r in reports[1:]),
-              episodes=sum(len(r.episodes) for r in reports[1:]))
+        reports, decision = await gate_reports(
+            evaluator, ReferenceCache(Path(training.output_dir) / "references"), suite, gate_tasks, reference,
+            columns, training, reference_label=reference_label, solver_steps=await solver_steps(suite, gate_tasks),
+            general=general.losses, stage=stage)
     before, after = reports[0], reports[-1]
-    decision = decide(after, before, baselines=baselines(suite, gate_tasks),
-                      solver_steps=await solver_steps(suite, gate_tasks), gate=gate)
     outcome.decision = decision
-    title = f"{suite.name} / {len(gate_tasks)} gate tasks (seed {gate.seed}): before and after"
+    title = f"{suite.name} / {decision.tasks} gate tasks (seed {gate.seed}): before and after"
     write_reports(reports, run_dir, title=title)
     stage("gate", decision.summary())
 
@@ -193,6 +203,8 @@ async def _pipeline(settings: HarnessSettings, filters: Filters, *, mode: str, i
                                else str(candidate), "stages": stage.records}
     if len(reports) == 3:
         metrics["before_rl"] = {"model": reports[1].model, **reports[1].metrics}
+    if correction_rounds_done is not None:
+        metrics["correction"] = correction_rounds_done
     if expert_rounds is not None:
         metrics["expert"] = expert_rounds
     if rl_summary is not None:
@@ -216,12 +228,20 @@ async def _pipeline(settings: HarnessSettings, filters: Filters, *, mode: str, i
     # The registry holds the stages up to the gate (its numbers go up with the version); the run folder all of them.
     (run_dir / "stages.json").write_bytes(orjson.dumps(stage.records, option=orjson.OPT_INDENT_2))
     await record.finish(stage.records, reports=reports, decision=decision, registered=outcome.registered,
-                        published=outcome.published, rl=rl_summary, expert=expert_rounds)
+                        published=outcome.published, rl=rl_summary, expert=expert_rounds,
+                        correction=correction_rounds_done)
     console.print(report_table(reports, title))
     console.print(decision_table(decision, before.model, after.model))
     console.print(stage.table())
     return outcome
 
+
+
+def teacher_of(correction: CorrectionSettings) -> Teacher:
+    """The solver, or the served model ``[training.correction] teacher`` names, asked through ``teacher_url``."""
+    if correction.teacher == "solver":
+        return SolverTeacher()
+    return ServedTeacher(correction.teacher_url, correction.teacher, api_key=correction.teacher_key)
 
 
 async def _sft(settings: HarnessSettings, filters: Filters, suite: Suite, gate_tasks: list[Task], general: GeneralCheck,
@@ -249,10 +269,10 @@ async def _sft(settings: HarnessSettings, filters: Filters, suite: Suite, gate_t
     result.model = None  # the evaluator has its own copy of the base; free the training one
     stage("sft", f"{len(result.checkpoints)} checkpoints, {result.tokens:,} tokens in {result.seconds:.0f} s "
                    f"({result.tokens_per_second:,.0f} tokens/s)", tokens=result.tokens)
-    if len(result.checkpoints) == 1 and not training.expert.rounds:
+    if len(result.checkpoints) == 1 and not training.expert.rounds and not training.correction.rounds:
         record.sft(result.losses, [])
-        stage("validate", f"skipped: one checkpoint ({result.checkpoints[0].name}) and no expert iteration to "
-                          "rank against")
+        stage("validate", f"skipped: one checkpoint ({result.checkpoints[0].name}) and no correction or expert "
+                          "round to rank against")
         return result.checkpoints[0], {}, task_rows
     validation = [await evaluator.evaluate(suite.name, "validation", checkpoint, label=checkpoint.name)
                   for checkpoint in result.checkpoints]

@@ -5,12 +5,12 @@ each stage as it ends, and finished with what the console draws, or failed with 
 
 - ``curves.loss``: SFT's loss, ``[step, loss]`` per optimizer step;
 - ``curves.reward``: RL's mean training reward, ``[step, reward]`` per step;
-- ``curves.validation``: every validation in run order (SFT's checkpoints, expert rounds, RL's checkpoints), each
-  ``{"label", "stage", "metrics", "action"}``;
+- ``curves.validation``: every validation in run order (SFT's checkpoints, correction and expert rounds, RL's
+  checkpoints), each ``{"label", "stage", "metrics", "action"}``;
 - ``reports``: the before/after table, one ``{"role", "model", "metrics", "episodes", "seconds"}`` per model
   (reference, "before RL" where RL started from neither, candidate);
 - ``gate``: the gate's decision (``Decision.as_dict``); ``registered``: the version it became; ``rl``,
-  ``expert``: what those stages did.
+  ``expert``, ``correction``: what those stages did.
 
 Curves longer than ``MAX_POINTS`` are stored averaged over equal runs of steps.
 """
@@ -78,8 +78,9 @@ class RunRecord:
         self.curves["validation"] += [{"label": r.model, "stage": "sft", "metrics": r.metrics, "action": None}
                                       for r in validation]
 
-    def expert(self, rounds: Sequence[dict[str, Any]]) -> None:
-        self.curves["validation"] += [{"label": f"expert round {r['round']}", "stage": "expert",
+    def rounds(self, stage: str, rounds: Sequence[dict[str, Any]]) -> None:
+        """The validations of a stage that goes in rounds (``correction``, ``expert``)."""
+        self.curves["validation"] += [{"label": f"{stage} round {r['round']}", "stage": stage,
                                        "metrics": r["validation"], "action": r["action"]}
                                       for r in rounds if "validation" in r]
 
@@ -102,8 +103,10 @@ class RunRecord:
 
     async def finish(self, stages: list[dict[str, Any]], *, reports: Sequence[Report], decision: Decision,
                      registered: AdapterVersion, published: bool, rl: dict[str, Any] | None,
-                     expert: list[dict[str, Any]] | None) -> None:
-        """``reports``: the reference's first, the candidate's last; ``rl``, ``expert``: what those stages did."""
+                     expert: list[dict[str, Any]] | None,
+                     correction: list[dict[str, Any]] | None = None) -> None:
+        """``reports``: the reference's first, the candidate's last; ``rl``, ``expert``, ``correction``: what those
+        stages did."""
         roles = ["reference", *["before RL"] * (len(reports) - 2), "candidate"]
         metrics = {"curves": self.curves,
                    "reports": [{"role": role, "model": r.model, "metrics": r.metrics, "episodes": len(r.episodes),
@@ -111,7 +114,7 @@ class RunRecord:
                    "gate": decision.as_dict(),
                    "registered": {"name": registered.name, "version": registered.version,
                                   "status": registered.status, "published": published}}
-        metrics.update({k: v for k, v in (("rl", rl), ("expert", expert)) if v is not None})
+        metrics.update({k: v for k, v in (("rl", rl), ("expert", expert), ("correction", correction)) if v is not None})
         await self._settle()
         await self._update(training_runs.finish, stages=list(stages), metrics=metrics,
                            adapter_version=registered.version)

@@ -9,6 +9,7 @@ from typing import Any
 from tools.context import ToolContext
 from tools.registry import ToolRegistry
 from training.tasks import SPLITS, Suite, Task
+from training.tasks.base import Demonstration, Plan
 
 SIZES = {"train": 48, "validation": 8, "test": 16}
 QUESTIONS = ("Question {n}: which city is the capital of France?", "Tell me, for case {n}, France's capital.",
@@ -42,5 +43,9 @@ class CapitalsSuite(Suite):
     def context(self) -> ToolContext:
         return ToolContext()
 
-    async def solve(self, task: Task) -> list[dict[str, Any]]:
-        return [{"role": "user", "content": task.prompt}, {"role": "assistant", "content": "Paris"}]
+    def plan(self, task: Task) -> Plan:
+        return _paris
+
+
+async def _paris(demo: Demonstration) -> None:
+    demo.answer("Paris")

@@ -243,3 +243,62 @@ def test_the_settings_refuse_a_gate_too_small_to_tell_noise_from_gain() -> None:
         GateSettings(tasks=40, samples=2)
     assert GateSettings(tasks=40, samples=3).tasks == 40
 
+
+
+# -- a sequential gate --------------------------------------------------------------------------------------------
+
+SEQUENTIAL = GateSettings(looks=[40, 70])
+
+
+def _sequential(bench: Bench, candidate: list[Episode], reference: list[Episode]) -> Decision:
+    """The gate's looks as replay-train takes them (training/gating.py), on episodes already run."""
+    from training.gate import decide_in_looks
+
+    return decide_in_looks(candidate, reference, suite=bench.suite, tasks=bench.tasks,
+                           solver_steps=bench.solver_steps, gate=SEQUENTIAL)
+
+
+def test_spending_gives_out_the_whole_false_accept_rate_little_at_first() -> None:
+    from training.gate import spending
+
+    assert spending([100], 0.95) == [0.95]
+    confidences = spending([40, 70, 100], 0.95)
+    alphas = [1 - c for c in confidences]
+    assert sum(alphas) == pytest.approx(0.05) and alphas[0] < alphas[1] < alphas[2]
+    assert alphas[0] == pytest.approx(0.05 * 0.16)
+
+
+def test_the_first_look_holds_the_faulted_tasks_and_every_family(bench: Bench) -> None:
+    from training.gate import order_for_looks
+
+    ordered = order_for_looks(bench.tasks, 40, 20)
+    assert sorted(t.id for t in ordered) == sorted(t.id for t in bench.tasks)
+    assert sum(t.fault is not None for t in ordered[:40]) == 20
+    assert {t.family for t in ordered[:40]} == {t.family for t in bench.tasks}
+
+
+def test_a_clear_gain_is_accepted_at_the_first_look_and_noise_refused_there(bench: Bench, episodes: dict) -> None:
+    accepted = _sequential(bench, episodes["solver"], episodes["never_call"])
+    assert accepted.passed and accepted.tasks == 40
+    assert [look["outcome"] for look in accepted.looks] == ["passed"]
+    refused = _sequential(bench, episodes["noise"], episodes["never_call"])
+    assert not refused.passed and refused.tasks == 40 and refused.settled_failure
+    assert refused.as_dict()["looks"] == [{"tasks": 40, "confidence": pytest.approx(0.992), "outcome": "refused"}]
+
+
+def test_what_the_fixed_rule_refuses_the_sequential_gate_refuses_after_every_look(bench: Bench,
+                                                                                  episodes: dict) -> None:
+    # Solving 30 of 100 tasks more than the reference passes the fixed rule; a third of that gain does not.
+    small = _mix(bench, episodes, lambda i, t: i % 10 == 0)
+    assert not bench.decide(small, episodes["never_call"]).passed
+    decision = _sequential(bench, small, episodes["never_call"])
+    assert not decision.passed
+    assert [look["tasks"] for look in decision.looks][-1] in (40, 70, 100)
+
+
+def test_the_looks_must_rise_below_the_tasks_and_start_with_enough_of_them() -> None:
+    from pydantic import ValidationError
+
+    for looks in ([70, 40], [40, 100], [10]):
+        with pytest.raises(ValidationError):
+            GateSettings(looks=looks)

@@ -235,6 +235,23 @@ def test_a_trained_adapter_passes_the_gate_is_promoted_and_becomes_the_next_runs
     assert registry.get("capitals", 4).metrics["reference"]["model"] == "capitals@1"
 
 
+def test_a_sequential_gate_publishes_a_clear_gain_after_its_first_look(capitals: HarnessSettings) -> None:
+    training = capitals.training
+    settings = capitals.model_copy(update={"training": training.model_copy(update={
+        "gate": training.gate.model_copy(update={"looks": [40, 70]})})})
+    asyncio.run(capture(settings, "capitals", "train", attempts=0))
+    console = Console(record=True, width=200, file=io.StringIO())
+    outcome = asyncio.run(replay_train(settings, Filters(source="demo"), console=console))
+    assert outcome.decision.passed and outcome.decision.tasks == 40
+    gate = AdapterRegistry(settings.store.path).get("capitals", 1).metrics["gate"]
+    assert gate["looks"] == [{"tasks": 40, "confidence": pytest.approx(0.992), "outcome": "passed"}]
+    reports = orjson.loads((outcome.run_dir / "eval.json").read_bytes())
+    assert [len(r["episodes"]) for r in reports] == [40, 40]  # the base and the candidate, on the first block
+    assert "gate look 40 tasks" in " ".join(console.export_text().split())
+    # A reference that ran part of the tasks is not cached: the next run's would stand for tasks it never ran.
+    assert not list((Path(training.output_dir) / "references").glob("*.json"))
+
+
 def test_expert_iteration_trains_on_the_candidates_own_clean_successes(capitals: HarnessSettings) -> None:
     settings = capitals.model_copy(update={"training": capitals.training.model_copy(update={
         "expert": capitals.training.expert.model_copy(update={"rounds": 2, "tasks": 8, "samples": 3,
@@ -258,6 +275,35 @@ def test_expert_iteration_trains_on_the_candidates_own_clean_successes(capitals:
     assert recorded == [(r["round"], r["episodes"]) for r in rounds if r["episodes"]]
     stages = [s["stage"] for s in orjson.loads((outcome.run_dir / "stages.json").read_bytes())]
     assert stages.count("expert") == 2 and stages.index("expert") > stages.index("validate")
+
+
+def test_correction_rounds_train_on_the_states_the_candidate_reached_with_the_teachers_turns(
+        capitals: HarnessSettings) -> None:
+    settings = capitals.model_copy(update={"training": capitals.training.model_copy(update={
+        "epochs": 1.0,  # an SFT candidate that still gets some capitals wrong, so there is something to correct
+        "correction": capitals.training.correction.model_copy(update={"rounds": 2, "tasks": 6, "samples": 1})})})
+    asyncio.run(capture(settings, "capitals", "train", attempts=0))
+    console = Console(record=True, width=200, file=io.StringIO())
+    outcome = asyncio.run(replay_train(settings, Filters(source="demo"), console=console))
+    rounds = AdapterRegistry(settings.store.path).get("capitals", outcome.registered.version).metrics["correction"]
+    # Each round: one greedy and one sampled episode of each of 6 tasks; every assistant turn is a state.
+    assert [r["round"] for r in rounds] == [1, 2] and all(r["episodes"] == 12 for r in rounds)
+    assert all(r["states"] >= r["episodes"] and r["teacher"] == "solver" and r["teacher_dropped"] == 0
+               for r in rounds)
+    assert all(sum(r["disagreements"].values()) + r["agreed"] == r["states"] for r in rounds)
+    # A capital's answer is all a turn can be, so every disagreement is a wrong answer, and every one a new row
+    # unless the same state came up twice; rows add up across rounds (DAgger).
+    assert all(set(r["disagreements"]) <= {"wrong_answer"} for r in rounds)
+    assert sum(sum(r["disagreements"].values()) for r in rounds) > 0, rounds
+    assert rounds[1]["correction_rows"] == rounds[0]["correction_rows"] + rounds[1]["new_rows"]
+    assert all(r["action"] in ("kept", "rejected") for r in rounds if r["new_rows"])
+    assert "correction round 1:" in console.export_text()
+    with sqlite3.connect(settings.store.path) as conn:
+        recorded = conn.execute("SELECT json_extract(metadata, '$.correction_round'), COUNT(*) FROM trajectories "
+                                "WHERE source = 'rollout' GROUP BY 1 ORDER BY 1").fetchall()
+    assert recorded == [(1, 12), (2, 12)]
+    stages = [s["stage"] for s in orjson.loads((outcome.run_dir / "stages.json").read_bytes())]
+    assert stages.count("correction") == 2 and stages.index("correction") > stages.index("validate")
 
 
 def test_a_noise_adapter_fails_the_gate(capitals: HarnessSettings, tmp_path: Path, tiny_model_dir: Path) -> None:

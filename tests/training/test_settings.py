@@ -38,3 +38,12 @@ def test_training_mistakes_name_their_path(tmp_path: Path) -> None:
     assert len(problems) == 2 and "training.rnak: unknown key" in problems
     assert any(p.startswith("training.gate: the gate needs at least 100 tasks") for p in problems)
     assert TrainingSettings().gate.tasks == 100
+
+
+def test_a_served_teachers_key_comes_from_its_variable_never_from_the_file(tmp_path: Path) -> None:
+    config = tmp_path / "harness.toml"
+    config.write_text('[training.correction]\nteacher = "big-model"\nteacher_key_env = "MY_TEACHER_KEY"\n')
+    settings = load_settings(config, environ={"MY_TEACHER_KEY": "sk-teacher"}, model=HarnessSettings)
+    assert settings.training.correction.teacher_key == "sk-teacher"
+    assert "sk-teacher" not in settings.model_dump_json()
+    assert load_settings(config, environ={}, model=HarnessSettings).training.correction.teacher_key is None

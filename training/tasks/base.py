@@ -18,10 +18,11 @@ import json
 import math
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from gateway.prompting import message_text
 from tools.context import ToolContext
 from tools.executor import ToolOutcome
 from tools.registry import ToolRegistry
@@ -38,6 +39,8 @@ FAULT_ERRORS: dict[str, str] = {
     "convert_units": "ConnectionResetError: [Errno 104] Connection reset by peer",
 }
 DEFAULT_FAULT_ERROR = "ConnectionError: the service is temporarily unavailable"
+# How the agent loop's tool messages for calls it did not run begin (gateway/agent/loop.py): invalid, refused.
+NOT_RUN = ("Invalid call to ", "Refused", "Not run")
 
 # What a refusal says; an answer containing one of these is a refusal (apostrophes normalised).
 REFUSAL_PHRASES = ("cannot", "can't", "can not", "unable", "not able", "no information", "not available",
@@ -112,6 +115,13 @@ class TaskToolbox:
 
     def openai_tools(self) -> list[dict[str, Any]]:
         return self.inner.openai_tools()
+
+    def resume(self, messages: list[dict[str, Any]]) -> None:
+        """Count the calls a conversation so far ran (not those the agent loop refused or found invalid), so the
+        fault fires on the call it would have fired on had the episode gone on."""
+        for name, content in tool_results(messages):
+            if name and not content.startswith(NOT_RUN):
+                self.counts[name] = self.counts.get(name, 0) + 1
 
     async def execute(self, name: str, arguments: dict[str, Any]) -> ToolOutcome:
         n = self.counts[name] = self.counts.get(name, 0) + 1
@@ -235,6 +245,54 @@ class Demonstration:
         return self.messages
 
 
+# How a perfect agent solves a task: its calls through a Demonstration, then its answer.
+Plan = Callable[[Demonstration], Awaitable[Any]]
+
+
+class _Decided(Exception):  # noqa: N818 - control flow, not an error: the plan reached the next turn
+    def __init__(self, turn: dict[str, Any]) -> None:
+        self.turn = turn
+
+
+class Continuation(Demonstration):
+    """A plan replayed against a conversation so far, to find its next assistant turn (the solver as a policy).
+
+    Each tool call the plan makes runs on a fault-free toolbox; when the conversation already holds that result
+    (a tool message of the same tool with the same content: whatever call wrote it), the step is done and the plan
+    goes on with it. The first step whose result the conversation lacks is the next turn: a call as the plan writes
+    it, which is also the retry after a failure (the agent loop lets a failed call be repeated as it was). When
+    every step is done, the plan's answer is. Calls the policy made that the plan does not need are left aside.
+    """
+
+    def __init__(self, toolbox: TaskToolbox, messages: list[dict[str, Any]]) -> None:
+        super().__init__(toolbox, "")
+        self._results = [(name, content.strip()) for name, content in tool_results(messages)]
+        self._used: set[int] = set()
+        self._ids = sum(len(m.get("tool_calls") or []) for m in messages if m.get("role") == "assistant")
+
+    async def _once(self, name: str, arguments: Mapping[str, Any]) -> ToolOutcome:
+        outcome = await self.toolbox.execute(name, dict(arguments))
+        for i, (tool, content) in enumerate(self._results):
+            if i not in self._used and tool == name and content == outcome.output.strip():
+                self._used.add(i)
+                return outcome
+        self._ids += 1
+        raise _Decided({"role": "assistant", "content": "", "tool_calls": [
+            {"id": f"call_t{self._ids}", "type": "function",
+             "function": {"name": name, "arguments": json.dumps(dict(arguments), ensure_ascii=False)}}]})
+
+    def answer(self, text: str) -> list[dict[str, Any]]:
+        raise _Decided({"role": "assistant", "content": text})
+
+
+def tool_results(messages: list[dict[str, Any]]) -> list[tuple[str | None, str]]:
+    """Each tool message of a conversation as (the tool its call named, its text), in order."""
+    names = {call.get("id"): (call.get("function") or {}).get("name")
+             for m in messages if m.get("role") == "assistant" for call in m.get("tool_calls") or []}
+    return [(names.get(m.get("tool_call_id")), message_text(m.get("content")))
+            for m in messages if m.get("role") == "tool"]
+
+
 # -- the suite ------------------------------------------------------------------------------------
 
 
@@ -264,12 +322,36 @@ class Suite(ABC):
         """The context the tools run with (creates what they need, e.g. the database, when missing)."""
 
     @abstractmethod
+    def plan(self, task: Task) -> Plan:
+        """How a perfect agent solves ``task``: calls through a ``Demonstration``, then its answer."""
+
     async def solve(self, task: Task) -> list[dict[str, Any]]:
         """A correct demonstration: OpenAI chat messages from the user prompt to the final answer."""
+        demo = Demonstration(self.toolbox(task), task.prompt, retry=self.retry_arguments)
+        await self.plan(task)(demo)
+        return demo.messages
+
+    async def next_turn(self, task: Task, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        """The correct next assistant turn from any conversation of ``task`` so far (``messages``: the policy's own
+        turns, wrong ones included, and the tool results it got): retry a failed call, answer now, decline, or
+        finish the plan from where it stands (``Continuation``)."""
+        try:
+            await self.plan(task)(Continuation(self.clean_toolbox(task), messages))
+        except _Decided as decided:
+            return decided.turn
+        raise RuntimeError(f"the plan of {task.id} ended without an answer")
+
+    def retry_arguments(self, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        """How a demonstration writes the retry of a failed call (the same call by default)."""
+        return arguments
 
     def toolbox(self, task: Task) -> TaskToolbox:
         """A fresh toolbox for one episode of ``task``: its tools, bound to ``context()``, fault injected."""
         return TaskToolbox(Toolbox(self.registry(), self.context(), task.tools), task.fault)
+
+    def clean_toolbox(self, task: Task) -> TaskToolbox:
+        """``task``'s tools without its fault: what each call gives when nothing fails."""
+        return TaskToolbox(Toolbox(self.registry(), self.context(), task.tools))
 
     def verify(self, task: Task, final: str | None, messages: list[dict[str, Any]]) -> bool:
         """Whether the episode succeeded, judged on its final answer (see ``check_final``)."""

@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal
 
 from tools.context import ToolContext
 from tools.spec import ToolSpec
-from training.tasks.base import FAULT_KINDS, Demonstration, Fault, format_number
+from training.tasks.base import FAULT_KINDS, Demonstration, Fault, Plan, format_number
 
 CURRENCIES = {"EUR": 1.0, "USD": 1.1, "GBP": 0.85}  # a quote's total in each, from its price in EUR
 EXPRESS_FEE = 15  # EUR added to a quote with express service
@@ -328,7 +327,6 @@ def phrasings(split: str) -> list[str]:
 
 # -- plans ------------------------------------------------------------------------------------------
 
-Plan = Callable[[Demonstration], Awaitable[Any]]
 REFUSE_UNKNOWN = "I cannot answer that: the service has no {entity} {key}."
 
 

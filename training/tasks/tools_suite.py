@@ -35,7 +35,7 @@ import random
 import re
 import sqlite3
 import tempfile
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,7 @@ from tools.builtin import calculator, sql_query
 from tools.context import ToolContext
 from tools.registry import ToolRegistry
 from training.tasks import services
-from training.tasks.base import FAULT_KINDS, SPLITS, Demonstration, Fault, Suite, Task, format_number
+from training.tasks.base import FAULT_KINDS, SPLITS, Demonstration, Fault, Plan, Suite, Task, format_number
 from training.tasks.units import CONVERT_UNITS, convert
 
 SEED = 20240611
@@ -364,7 +364,6 @@ test_only_fragments.__test__ = False  # type: ignore[attr-defined]  # not a pyte
 
 # -- plans: how a perfect agent solves each task -----------------------------------------------------
 
-Plan = Callable[[Demonstration], Awaitable[Any]]
 
 
 def _rows(output: str) -> list[dict[str, Any]]:
@@ -745,13 +744,14 @@ class ToolsSuite(Suite):
             self._context = ToolContext(self.settings())
         return self._context
 
-    async def solve(self, task: Task) -> list[dict[str, Any]]:
+    def plan(self, task: Task) -> Plan:
         plan = self._generate().plans.get(task.id)
         if plan is None or task.suite != self.name:
             raise KeyError(f"no task {task.id!r} in suite {self.name!r}")
-        demo = Demonstration(self.toolbox(task), task.prompt, retry=retry_arguments)
-        await plan(demo)
-        return demo.messages
+        return plan
+
+    def retry_arguments(self, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        return retry_arguments(name, arguments)
 
     def draw(self, split: str, count: int, *, seed: int, min_faulted: int = 0) -> list[Task]:
         """``count`` fresh tasks from ``split``'s templates (its phrasings, records and tools), drawn with ``seed``

@@ -110,7 +110,8 @@ class LocalBackend:
             raise BackendUnavailable(str(exc), code="model_load_failed") from exc
         budget = self._settings.prefix_cache_mb * 2**20
         self._engine = Engine(self._loaded, self._settings.max_batch_size, PrefixCache(budget) if budget else None,
-                              map_large=self._settings.map_large_allocations)
+                              map_large=self._settings.map_large_allocations,
+                              merge_lone_adapter=self._settings.merge_lone_adapter)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-engine")
         self._scheduler = asyncio.create_task(self._schedule(self._engine), name=f"{self.name}-scheduler")
         log.info("local.started", backend=self.name, threads=torch.get_num_threads(),

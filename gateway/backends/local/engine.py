@@ -77,13 +77,15 @@ class Engine:
     the owner's thread only while ``run`` is not running."""
 
     def __init__(self, loaded: LoadedModel, max_batch_size: int, prefix: PrefixCache | None = None, *,
-                 map_large: bool = True) -> None:
-        """``map_large``: have glibc map large allocations (``heap.py``), for the whole process."""
+                 map_large: bool = True, merge_lone_adapter: bool = False) -> None:
+        """``map_large``: have glibc map large allocations (``heap.py``), for the whole process;
+        ``merge_lone_adapter``: run a batch of one adapter's rows with its weights merged (``LoraModel``)."""
         self.base_model = loaded.model
         loaded.model.set_attn_implementation(ATTENTION)
         if map_large:
             map_large_allocations()
-        self.model = LoraModel(loaded.model)  # the base model, wrapped in peft while any adapter is loaded
+        # the base model, wrapped in peft while any adapter is loaded
+        self.model = LoraModel(loaded.model, merge_lone=merge_lone_adapter)
         self.ops: deque[Op] = deque()  # appended by the owner, drained here between steps
         self._retiring: dict[str, Callable[[], None]] = {}  # internal name -> "deleted" callback
         self.tokenizer = loaded.tokenizer

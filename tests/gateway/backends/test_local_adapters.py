@@ -322,3 +322,39 @@ async def test_an_adapter_is_served_the_tool_rendering_it_was_trained_with(
     with pytest.raises(BackendError) as raised:
         await backend.load_adapter("bogus@1", str(bogus))
     assert raised.value.status_code == 400 and "unknown tool rendering" in str(raised.value)
+
+
+async def test_a_lone_adapter_runs_merged_and_gives_what_it_gives_unmerged(tiny_model_dir: Path,
+                                                                             lora_adapters: dict[str, Path]) -> None:
+    body = _body("Tell me something", max_tokens=10)
+    plain = local_backend(tiny_model_dir, batch_wait_ms=30, max_batch_size=16)
+    merging = local_backend(tiny_model_dir, batch_wait_ms=30, max_batch_size=16, merge_lone_adapter=True)
+    expected: dict[str | None, list[int]] = {}
+    await plain.start()
+    try:
+        expected[None] = await _run(plain, body)
+        for name, key in ((A, "a"), (B, "b")):
+            await plain.load_adapter(name, str(lora_adapters[key]))
+            expected[name] = await _run(plain, body, name)
+    finally:
+        await plain.aclose()
+    await merging.start()
+    try:
+        assert merging._engine is not None
+        lora = merging._engine.model
+        await merging.load_adapter(A, str(lora_adapters["a"]))
+        await merging.load_adapter(B, str(lora_adapters["b"]))
+        # Runs of one adapter at a time merge it once; the base and a mixed batch unmerge first.
+        assert [await _run(merging, body, A) for _ in range(2)] == [expected[A]] * 2
+        assert lora.merged is not None and lora.merges == 1
+        assert await _run(merging, body, B) == expected[B] and lora.merges == 2
+        assert await _run(merging, body) == expected[None] and lora.merged is None
+        mixed = await asyncio.gather(_run(merging, body, A), _run(merging, body), _run(merging, body, B))
+        assert mixed == [expected[A], expected[None], expected[B]]
+        # Unloading everything leaves the base weights as they were: no merged delta stays behind.
+        await _run(merging, body, A)
+        await merging.unload_adapter(A)
+        await merging.unload_adapter(B)
+        assert _lora_layers(merging) == 0 and await _run(merging, body) == expected[None]
+    finally:
+        await merging.aclose()
