@@ -11,6 +11,10 @@ from typing import Any
 
 import pytest
 
+from tests.extras import skip_without
+
+skip_without("train")
+
 from tests.scripted import ScriptedBackend
 from training.correction import corrections
 from training.episodes import run_episode
