@@ -68,7 +68,7 @@ def _world() -> tuple[ToolsSuite, list, dict[str, int], dict[str, float]]:
     """The gate's tasks, the solver's steps on them and the trivial policies' rates: once per worker process."""
     suite = ToolsSuite(tempfile.mkdtemp(prefix="gate-sim-"))
     gate = GateSettings()
-    tasks = suite.draw("test", gate.tasks, seed=gate.seed, min_faulted=gate.min_faulted)
+    tasks = suite.draw("test", gate.tasks, seed=gate.seed, min_faulted=gate.min_faulted, min_direct=gate.min_direct)
     return suite, tasks, asyncio.run(solver_steps(suite, tasks)), baselines(suite, tasks)
 
 

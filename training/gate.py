@@ -13,6 +13,9 @@ comparison is paired: per task, the candidate's outcome minus the reference's. A
 - ``invalid-call rise``: the upper bound of the rise in the invalid-call rate (invalid calls over calls; a side
   without calls counts 0, so against a reference that hardly calls a tool the candidate's own rate is bounded)
   is at most ``invalid_call_rate``;
+- ``abstention drop``: pooled over the tasks no offered tool fits (at least ``min_direct`` of them), the lower bound
+  of the paired difference in answering without a call (``metrics.answered_directly``, right or wrong) is at least
+  ``-abstention_rate`` (a candidate that learnt to call a tool for everything must not pass);
 - ``recovery drop``: pooled over the faulted tasks (at least ``min_faulted`` of them), the lower bound of the
   paired success difference is at least ``-recovery_rate``;
 - ``excess steps``: on the tasks both solved, steps beyond the solver's (fewer than the solver's count as none,
@@ -29,17 +32,18 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 from rich.table import Table
 
-from training.metrics import Episode, Loss, perplexity_of
+from training.metrics import Episode, Loss, answered_directly, perplexity_of
 from training.settings import GateSettings
 from training.stats import mean, paired_bootstrap, rate_bounds
 from training.tasks import Suite, Task
 from training.tasks.adversarial import POLICIES
+from training.tasks.base import Direct
 
 TRIVIAL_POLICIES = ("always_refuse", "never_call")  # they answer at once: their outcome is a function of the task
 
@@ -113,13 +117,18 @@ class _Pair:
 
     task_id: str
     faulted: bool
+    direct: bool
     solver_steps: int
     candidate: list[Episode]
     reference: list[Episode]
 
     def success(self, side: str) -> float:
+        return self.share(side, _succeeded)
+
+    def share(self, side: str, hit: Callable[[Episode], bool]) -> float:
+        """The share of this side's samples ``hit`` holds for."""
         episodes = getattr(self, side)
-        return sum(e.success for e in episodes) / len(episodes)
+        return sum(hit(e) for e in episodes) / len(episodes)
 
     def solved_steps(self, side: str) -> float | None:
         """Mean steps of this side's successful samples (None: none succeeded)."""
@@ -135,7 +144,10 @@ def decide(candidate: Evaluated, reference: Evaluated, *, baselines: dict[str, f
     boot = {"confidence": gate.confidence, "resamples": gate.resamples, "seed": gate.seed}
     checks = [_success_gain(pairs, boot), *_over_baselines(pairs, baselines, gate.confidence),
               _invalid_rise(pairs, boot, gate.invalid_call_rate),
-              _recovery_drop(pairs, boot, gate.recovery_rate, gate.min_faulted),
+              _pooled_drop("recovery drop", [p for p in pairs if p.faulted], _succeeded, boot, gate.recovery_rate,
+                           gate.min_faulted, "faulted tasks"),
+              _pooled_drop("abstention drop", [p for p in pairs if p.direct], answered_directly, boot,
+                           gate.abstention_rate, gate.min_direct, "tasks no offered tool fits"),
               _excess_steps(pairs, boot, gate.mean_steps),
               _perplexity_rise(candidate.general_losses, reference.general_losses, boot, gate.general_perplexity)]
     samples = max(len(p.candidate) for p in pairs)
@@ -153,12 +165,14 @@ def spending(looks: Sequence[int], confidence: float) -> list[float]:
     return [1 - (spent[i] - (spent[i - 1] if i else 0.0)) for i in range(len(looks))]
 
 
-def order_for_looks(tasks: Sequence[Task], first: int, min_faulted: int) -> list[Task]:
+def order_for_looks(tasks: Sequence[Task], first: int, min_faulted: int, min_direct: int = 0) -> list[Task]:
     """The gate's tasks in the order a sequential gate runs them: the first look's ``first`` tasks hold
-    ``min_faulted`` faulted ones (so the recovery check can be judged there), every block the families in turn."""
+    ``min_faulted`` faulted ones and ``min_direct`` that no offered tool fits (so the recovery and abstention checks
+    can be judged there), every block the families in turn."""
     faulted = _by_family_in_turn([t for t in tasks if t.fault is not None])
-    others = _by_family_in_turn([t for t in tasks if t.fault is None])
-    head = faulted[:min_faulted] + others[:max(0, first - min_faulted)]
+    direct = _by_family_in_turn([t for t in tasks if isinstance(t.expected, Direct)])
+    others = _by_family_in_turn([t for t in tasks if t.fault is None and not isinstance(t.expected, Direct)])
+    head = faulted[:min_faulted] + direct[:min_direct] + others[:max(0, first - min_faulted - min_direct)]
     chosen = {t.id for t in head}
     return head + _by_family_in_turn([t for t in tasks if t.id not in chosen])
 
@@ -201,7 +215,7 @@ def decide_in_looks(candidate: list[Episode], reference: list[Episode], *, suite
     run by then (``order_for_looks``), up to the first settled one. The same decisions ``training/gating.py`` makes
     while it runs the tasks, for tests and simulations."""
     points = look_points(gate)
-    ordered = order_for_looks(tasks, points[0], gate.min_faulted)
+    ordered = order_for_looks(tasks, points[0], gate.min_faulted, gate.min_direct)
     decision: Decision | None = None
     for look, (count, confidence) in enumerate(zip(points, spending(points, gate.confidence), strict=True)):
         seen = {t.id for t in ordered[:count]}
@@ -234,8 +248,8 @@ def _pairs(candidate: list[Episode], reference: list[Episode], solver_steps: dic
     missing = sorted(set(by_task) - set(solver_steps))
     if missing:
         raise ValueError(f"no solver steps for {len(missing)} gate tasks (e.g. {missing[:3]})")
-    return [_Pair(task_id, sides["candidate"][0].faulted, solver_steps[task_id], sides["candidate"],
-                  sides["reference"]) for task_id, sides in sorted(by_task.items())]
+    return [_Pair(task_id, sides["candidate"][0].faulted, sides["candidate"][0].direct, solver_steps[task_id],
+                  sides["candidate"], sides["reference"]) for task_id, sides in sorted(by_task.items())]
 
 
 def _gain(items: Sequence[_Pair]) -> float:
@@ -272,17 +286,28 @@ def _invalid_rise(pairs: list[_Pair], boot: dict[str, Any], margin: float) -> Ch
                  f"{calls(pairs, 'reference')} calls against {calls(pairs, 'candidate')}", opposite=lower)
 
 
-def _recovery_drop(pairs: list[_Pair], boot: dict[str, Any], margin: float, min_faulted: int) -> Check:
-    faulted = [p for p in pairs if p.faulted]
-    if not faulted:
-        return Check("recovery drop", None, None, None, None, "lower", -margin, "≥", 0, True, "no faulted task")
-    reference, candidate = _rate(faulted, "reference"), _rate(faulted, "candidate")
-    if len(faulted) < min_faulted:
-        return Check("recovery drop", reference, candidate, candidate - reference, None, "lower", -margin, "≥",
-                     len(faulted), False, f"{len(faulted)} faulted tasks, fewer than the {min_faulted} required")
-    estimate, lower, upper = paired_bootstrap(faulted, _gain, **boot)
-    return Check("recovery drop", reference, candidate, estimate, lower, "lower", -margin, "≥", len(faulted),
-                 lower >= -margin, opposite=upper)
+def _succeeded(episode: Episode) -> bool:
+    return episode.success
+
+
+def _pooled_drop(name: str, pool: list[_Pair], hit: Callable[[Episode], bool], boot: dict[str, Any], margin: float,
+                 minimum: int, what: str) -> Check:
+    """Non-inferiority on a kind of task pooled: the lower bound of the paired difference in the share of samples
+    ``hit`` holds for at least ``-margin``, judged only on at least ``minimum`` of them (none at all: skipped)."""
+    if not pool:
+        return Check(name, None, None, None, None, "lower", -margin, "≥", 0, True, f"no {what}")
+
+    def rate(items: Sequence[_Pair], side: str) -> float:
+        return mean([p.share(side, hit) for p in items])
+
+    reference, candidate = rate(pool, "reference"), rate(pool, "candidate")
+    if len(pool) < minimum:
+        return Check(name, reference, candidate, candidate - reference, None, "lower", -margin, "≥", len(pool),
+                     False, f"{len(pool)} {what}, fewer than the {minimum} required")
+    estimate, lower, upper = paired_bootstrap(pool, lambda items: rate(items, "candidate") - rate(items, "reference"),
+                                              **boot)
+    return Check(name, reference, candidate, estimate, lower, "lower", -margin, "≥", len(pool), lower >= -margin,
+                 opposite=upper)
 
 
 def _excess_steps(pairs: list[_Pair], boot: dict[str, Any], margin: float) -> Check:

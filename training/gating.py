@@ -47,7 +47,7 @@ async def gate_reports(evaluator: Evaluator, cache: ReferenceCache, suite: Suite
                           gate=gate)
         return reports, decision
 
-    ordered = order_for_looks(tasks, points[0], gate.min_faulted)
+    ordered = order_for_looks(tasks, points[0], gate.min_faulted, gate.min_direct)
     key = await asyncio.to_thread(reference_key, suite, tasks, reference, settings)
     cached = await asyncio.to_thread(cache.get, key)
     confidences = spending(points, gate.confidence)

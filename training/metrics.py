@@ -4,13 +4,15 @@ Metrics (each in [0, 1] except ``mean_steps`` and ``general_perplexity``):
 
 - ``success_rate``: episodes the verifier accepts;
 - ``mean_steps``: model calls per episode;
-- ``valid_call_rate``: of the episodes that need a tool (every family but ``cannot``), those in which the
-  model called at least one tool and every call it made was valid (a known, offered tool; arguments that
-  satisfy its schema);
+- ``valid_call_rate``: of the episodes that need a tool (every family but ``cannot`` and ``no_tool``), those in
+  which the model called at least one tool and every call it made was valid (a known, offered tool; arguments
+  that satisfy its schema);
 - ``invalid_call_rate``: invalid calls over all calls made (0 when none were made);
 - ``recovery_rate``: of the episodes with an injected tool failure, those that still succeeded;
 - ``unseen_tool_success_rate``: of the episodes offering a tool that no train or validation task offers (the
   tool is known to the model from its description alone), those that succeeded;
+- ``direct_answer_rate``: of the episodes where no offered tool fits, those answered without any call, valid or
+  not, and not refused (``answered_directly``; right or wrong: success also asks for the right word);
 - ``general_perplexity``: perplexity on the held-out part of the general data (the general-ability check;
   lower is better), computed outside the loop with the same weights.
 """
@@ -21,11 +23,13 @@ import math
 from dataclasses import dataclass
 
 from training.stats import rate_bounds
+from training.tasks.base import is_refusal
 
 METRICS = ("success_rate", "mean_steps", "valid_call_rate", "invalid_call_rate", "recovery_rate",
-           "unseen_tool_success_rate", "general_perplexity")
+           "unseen_tool_success_rate", "direct_answer_rate", "general_perplexity")
 HIGHER_IS_BETTER = {"success_rate": True, "mean_steps": False, "valid_call_rate": True, "invalid_call_rate": False,
-                    "recovery_rate": True, "unseen_tool_success_rate": True, "general_perplexity": False}
+                    "recovery_rate": True, "unseen_tool_success_rate": True, "direct_answer_rate": True,
+                    "general_perplexity": False}
 
 
 Loss = tuple[float, int]  # one text: its summed negative log-likelihood, its tokens
@@ -46,6 +50,13 @@ class Episode:
     final: str | None
     run_id: str
     unseen_tools: bool = False  # offered a tool no train or validation task offers
+    direct: bool = False  # no offered tool fits: success is answering without a call
+
+
+def answered_directly(episode: Episode) -> bool:
+    """Whether an episode answered without making any call and without refusing."""
+    final = episode.final or ""
+    return episode.tool_calls == 0 and episode.invalid_calls == 0 and bool(final.strip()) and not is_refusal(final)
 
 
 def metrics_of(episodes: list[Episode]) -> dict[str, float | None]:
@@ -62,6 +73,7 @@ def metrics_of(episodes: list[Episode]) -> dict[str, float | None]:
         "invalid_call_rate": sum(e.invalid_calls for e in episodes) / calls if calls else 0.0,
         "recovery_rate": share([e.success for e in episodes if e.faulted]),
         "unseen_tool_success_rate": share([e.success for e in episodes if e.unseen_tools]),
+        "direct_answer_rate": share([answered_directly(e) for e in episodes if e.direct]),
     }
 
 

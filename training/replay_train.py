@@ -119,7 +119,8 @@ async def _pipeline(settings: HarnessSettings, filters: Filters, *, mode: str, i
     training = settings.training
     outcome = Outcome(run_dir=run_dir, run_id=record.run_id)
     gate = training.gate
-    gate_tasks = suite.draw("test", gate.tasks, seed=gate.seed, min_faulted=gate.min_faulted)
+    gate_tasks = suite.draw("test", gate.tasks, seed=gate.seed, min_faulted=gate.min_faulted,
+                            min_direct=gate.min_direct)
 
     # -- select and reward --------------------------------------------------------------------------------
     unbounded = dataclasses.replace(filters, min_reward=None, max_reward=None)

@@ -39,6 +39,10 @@ class GateSettings(Section):
                                       "general data the upper bound may show (0.05 = 5%).")
     recovery_rate: float = Field(0.1, ge=0, description="Largest drop in success after a tool fault the lower "
                                  "bound may show.")
+    min_direct: int = Field(15, ge=0, description="Gate tasks no offered tool fits (to be answered without a "
+                            "call) the draw includes at least; abstention is judged on them pooled.")
+    abstention_rate: float = Field(0.05, ge=0, description="Largest drop in the rate of answering without a call "
+                                   "where no offered tool fits the lower bound may show (0.05 = 5 points).")
     mean_steps: float = Field(1.0, ge=0, description="Largest rise in steps beyond the solver's, on tasks both "
                               "solved, the upper bound may show.")
     looks: list[int] = Field(default_factory=list, description="A sequential gate: the task counts after which it "
@@ -55,9 +59,13 @@ class GateSettings(Section):
         points = [*self.looks, self.tasks]
         if any(b <= a for a, b in zip(points, points[1:], strict=False)):
             raise ValueError(f"looks must rise and stay below tasks ({self.tasks}); got {self.looks}")
-        if self.looks and self.looks[0] < max(self.min_faulted, 20):
-            raise ValueError(f"the first look needs at least {max(self.min_faulted, 20)} tasks (min_faulted, and "
+        first = max(self.min_faulted + self.min_direct, 20)
+        if self.looks and self.looks[0] < first:
+            raise ValueError(f"the first look needs at least {first} tasks (min_faulted and min_direct, and "
                              f"enough to bound anything); got {self.looks[0]}")
+        if self.min_faulted + self.min_direct > self.tasks:
+            raise ValueError(f"min_faulted + min_direct ({self.min_faulted + self.min_direct}) exceed the gate's "
+                             f"{self.tasks} tasks")
         return self
 
 

@@ -23,7 +23,7 @@ from training.tasks import Suite, Task
 
 # What a policy's turn did wrong, next to the teacher's (the kinds a correction round counts).
 DISAGREEMENTS = ("answered_instead_of_calling", "called_instead_of_answering", "wrong_answer", "invalid_call",
-                 "wrong_tool", "wrong_arguments")
+                 "wrong_tool", "wrong_arguments", "calls_apart")
 
 
 class Teacher(Protocol):
@@ -112,4 +112,7 @@ async def disagreement(suite: Suite, task: Task, messages: list[Message], tools:
     box = suite.clean_toolbox(task)
     got = await box.execute(mine["name"], json.loads(mine.get("arguments") or "{}"))
     expected = await box.execute(theirs["name"], json.loads(theirs.get("arguments") or "{}"))
-    return None if got.status == "ok" and got.output.strip() == expected.output.strip() else "wrong_arguments"
+    if got.status != "ok" or got.output.strip() != expected.output.strip():
+        return "wrong_arguments"
+    # The right first call, but not the others the teacher makes with it in one turn (independent calls).
+    return "calls_apart" if len(made) < len(wanted) else None

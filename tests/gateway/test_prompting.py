@@ -175,8 +175,8 @@ def test_the_compact_rendering_takes_a_quarter_of_the_tokens_per_suite_tool(smol
             return len(smol_tokenizer(block, add_special_tokens=False)["input_ids"])
         return (count(tools_prompt(chosen, rendering)) - count(tools_prompt([], rendering))) / len(chosen)
 
-    # The generated tools carry enums and nested objects, which the compact line spells out: 38.5 tokens a tool
-    # over the whole suite against 144.9, and 27.7 against 150.3 for the three built-in ones.
+    # The generated tools carry enums, arrays of them and nested objects, which the compact line spells out: 40.3
+    # tokens a tool over the whole suite against 156.1, and 27.7 against 150.3 for the three built-in ones.
     compact, hermes = per_tool("compact", tools), per_tool("hermes", tools)
-    assert compact <= 40 and hermes >= 3.5 * compact
+    assert compact <= 42 and hermes >= 3.5 * compact
     assert per_tool("compact", builtin) <= 30 and per_tool("hermes", builtin) >= 5 * per_tool("compact", builtin)

@@ -34,7 +34,7 @@ class CapitalsSuite(Suite):
         self.check_split(split)
         return list(self._tasks[split])
 
-    def draw(self, split: str, count: int, *, seed: int, min_faulted: int = 0) -> list[Task]:
+    def draw(self, split: str, count: int, *, seed: int, min_faulted: int = 0, min_direct: int = 0) -> list[Task]:
         return self._draw(split, count, random.Random(f"{split}:{seed}"), f"{split}-draw-{seed}")
 
     def registry(self) -> ToolRegistry:

@@ -11,10 +11,12 @@ import pytest
 from typer.testing import CliRunner
 
 from harness.main import app
+from training.tasks.tools_suite import SIZES
 
 pytestmark = pytest.mark.integration
 
 runner = CliRunner()
+VALIDATION = sum(SIZES["validation"].values())
 
 
 @pytest.fixture
@@ -35,7 +37,7 @@ def test_eval_prints_the_table_and_writes_json_and_png(env: dict[str, str], tmp_
     assert result.exit_code == 0, result.output
     assert "success_rate" in result.output and "general_perplexity" in result.output
     (report,) = orjson.loads((tmp_path / "e" / "eval.json").read_bytes())
-    assert report["split"] == "validation" and len(report["episodes"]) == 44
+    assert report["split"] == "validation" and len(report["episodes"]) == VALIDATION
     assert (tmp_path / "e" / "eval.png").stat().st_size > 0
 
 
@@ -43,7 +45,7 @@ def test_capture_stores_the_demonstrations_and_says_how_long_it_took(env: dict[s
     result = runner.invoke(app, ["tasks", "capture", "--split", "validation", "--attempts", "0"], env=env)
     assert result.exit_code == 0, result.output
     printed = " ".join(result.output.split())  # the console wraps long lines
-    assert re.search(r"captured 44 demonstrations and 0 attempts \(0 succeeded\) into .+ in \d+ s", printed)
+    assert re.search(rf"captured {VALIDATION} demonstrations and 0 attempts \(0 succeeded\) into .+ in \d+ s", printed)
 
 
 def test_usage_errors_are_clear(env: dict[str, str], tmp_path: Path) -> None:
@@ -70,4 +72,4 @@ def test_tasks_list_names_each_task(env: dict[str, str]) -> None:
     result = runner.invoke(app, ["tasks", "list", "--split", "validation"], env=env)
     assert result.exit_code == 0
     lines = result.output.strip().splitlines()
-    assert len(lines) == 44 and all(line.startswith("tools/validation/") for line in lines)
+    assert len(lines) == VALIDATION and all(line.startswith("tools/validation/") for line in lines)

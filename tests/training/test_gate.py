@@ -19,6 +19,7 @@ from training.metrics import Episode, Loss
 from training.settings import GateSettings
 from training.tasks import Task, leak_filter
 from training.tasks.adversarial import POLICIES
+from training.tasks.base import Direct
 from training.tasks.tools_suite import ToolsSuite
 
 GATE = GateSettings()
@@ -58,7 +59,7 @@ class Bench:
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory: pytest.TempPathFactory) -> Bench:
     suite = ToolsSuite(tmp_path_factory.mktemp("tasks"))
-    tasks = suite.draw("test", GATE.tasks, seed=GATE.seed, min_faulted=GATE.min_faulted)
+    tasks = suite.draw("test", GATE.tasks, seed=GATE.seed, min_faulted=GATE.min_faulted, min_direct=GATE.min_direct)
 
     async def solve() -> dict[str, list[dict[str, Any]]]:
         return {t.id: await suite.solve(t) for t in tasks}
@@ -87,10 +88,12 @@ def test_the_gate_tasks_are_drawn_from_the_test_templates_with_enough_faults(ben
     tasks = bench.tasks
     assert len(tasks) == 100 and len({t.prompt for t in tasks}) == 100
     assert sum(t.fault is not None for t in tasks) >= GATE.min_faulted
+    assert sum(isinstance(t.expected, Direct) for t in tasks) >= GATE.min_direct == 15
     assert all(t.split == "test" for t in tasks)
     seen = {t.prompt for split in ("train", "validation") for t in bench.suite.tasks(split)}
     assert not seen & {t.prompt for t in tasks}
-    again = ToolsSuite(bench.suite.data_dir).draw("test", 100, seed=GATE.seed, min_faulted=GATE.min_faulted)
+    again = ToolsSuite(bench.suite.data_dir).draw("test", 100, seed=GATE.seed, min_faulted=GATE.min_faulted,
+                                                  min_direct=GATE.min_direct)
     assert again == tasks  # the fixed seed: the same tasks at every run
     assert ToolsSuite(bench.suite.data_dir).draw("test", 100, seed=1, min_faulted=20) != tasks
     assert {t.family for t in tasks} == {t.family for t in bench.suite.tasks("test")}
@@ -112,7 +115,7 @@ def test_the_solver_passes_against_a_model_that_solves_nothing(bench: Bench, epi
     assert stored["tasks"] == 100 and stored["samples"] == 1 and stored["seed"] == GATE.seed
     assert {c["name"] for c in stored["checks"]} == {
         "success gain", "over always_refuse", "over never_call", "invalid-call rise",
-        "recovery drop", "excess steps", "perplexity rise"}
+        "recovery drop", "abstention drop", "excess steps", "perplexity rise"}
     assert "perplexity rise" in [c.name for c in decision.checks if c.skipped]  # no general data here
 
 
@@ -152,6 +155,26 @@ def test_an_improvement_within_noise_does_not_pass_and_a_clear_one_does(bench: B
     assert clear.checks[0].estimate == pytest.approx(0.30) and clear.checks[0].bound > 0.2
 
 
+def test_calling_a_tool_where_none_fits_fails_however_much_else_improves(bench: Bench, episodes: dict) -> None:
+    def direct(task: Task) -> bool:
+        return isinstance(task.expected, Direct)
+
+    reference = _mix(bench, episodes, lambda i, t: i < 30 or direct(t))
+    calling = _mix(bench, episodes, lambda i, t: not direct(t), other="pad_with_valid_calls")
+    decision = bench.decide(calling, reference)
+    assert checks(decision)["success gain"] and not decision.passed
+    guard = next(c for c in decision.checks if c.name == "abstention drop")
+    assert not guard.passed and guard.n == 15 and guard.reference == 1.0 and guard.candidate == 0.0
+    assert guard.settled_failure
+    # Answering without a call, even wrongly (a guess), keeps the rate: only success judges the answer.
+    guessing = _mix(bench, episodes, lambda i, t: not direct(t), other="never_call")
+    assert checks(bench.decide(guessing, reference))["abstention drop"]
+    # Judged only on enough such tasks.
+    few = next(c for c in bench.decide(guessing, reference, GateSettings(min_direct=50)).checks
+               if c.name == "abstention drop")
+    assert not few.passed and "fewer than the 50 required" in few.note
+
+
 def test_more_invalid_calls_fail_even_with_more_successes(bench: Bench, episodes: dict) -> None:
     def sloppy(task: Task) -> list[Any]:  # an invalid call before each demonstration
         wrong = {"role": "assistant", "content": None, "tool_calls": [{"id": "call_x", "type": "function",
@@ -159,7 +182,8 @@ def test_more_invalid_calls_fail_even_with_more_successes(bench: Bench, episodes
         return [wrong, *bench.solver(task)]
 
     candidate = bench.run(sloppy)
-    assert sum(e.success for e in candidate) > 90
+    # Every task but those no offered tool fits, where any call, an invalid one too, fails.
+    assert sum(e.success for e in candidate) == sum(not isinstance(t.expected, Direct) for t in bench.tasks)
     decision = bench.decide(candidate, _solving_30(bench, episodes))
     assert checks(decision) == {**checks(decision), "success gain": True, "invalid-call rise": False}
     assert not decision.passed
@@ -268,13 +292,14 @@ def test_spending_gives_out_the_whole_false_accept_rate_little_at_first() -> Non
     assert alphas[0] == pytest.approx(0.05 * 0.16)
 
 
-def test_the_first_look_holds_the_faulted_tasks_and_every_family(bench: Bench) -> None:
+def test_the_first_look_holds_the_faulted_and_direct_tasks_and_every_family(bench: Bench) -> None:
     from training.gate import order_for_looks
 
-    ordered = order_for_looks(bench.tasks, 40, 20)
+    ordered = order_for_looks(bench.tasks, 60, 20, 15)
     assert sorted(t.id for t in ordered) == sorted(t.id for t in bench.tasks)
-    assert sum(t.fault is not None for t in ordered[:40]) == 20
-    assert {t.family for t in ordered[:40]} == {t.family for t in bench.tasks}
+    assert sum(t.fault is not None for t in ordered[:60]) == 20
+    assert sum(isinstance(t.expected, Direct) for t in ordered[:60]) == 15
+    assert {t.family for t in ordered[:60]} == {t.family for t in bench.tasks}
 
 
 def test_a_clear_gain_is_accepted_at_the_first_look_and_noise_refused_there(bench: Bench, episodes: dict) -> None:
@@ -288,8 +313,8 @@ def test_a_clear_gain_is_accepted_at_the_first_look_and_noise_refused_there(benc
 
 def test_what_the_fixed_rule_refuses_the_sequential_gate_refuses_after_every_look(bench: Bench,
                                                                                   episodes: dict) -> None:
-    # Solving 30 of 100 tasks more than the reference passes the fixed rule; a third of that gain does not.
-    small = _mix(bench, episodes, lambda i, t: i % 10 == 0)
+    # Solving 30 of 100 tasks more than the reference passes the fixed rule; 5 more do not (no better than refusing).
+    small = _mix(bench, episodes, lambda i, t: i % 20 == 0)
     assert not bench.decide(small, episodes["never_call"]).passed
     decision = _sequential(bench, small, episodes["never_call"])
     assert not decision.passed

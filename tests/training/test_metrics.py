@@ -34,6 +34,19 @@ def test_metrics_match_hand_computed_values() -> None:
     assert m["unseen_tool_success_rate"] == 1 / 2
 
 
+def test_answering_without_a_call_where_no_tool_fits_is_counted_right_or_wrong() -> None:
+    def direct(calls: int, invalid: int, final: str, success: bool = False) -> Episode:
+        return Episode(task_id="t", family="no_tool", success=success, steps=1, tool_calls=calls,
+                       invalid_calls=invalid, needs_tools=False, faulted=False, status="completed",
+                       termination_reason=None, final=final, run_id="r", direct=True)
+
+    m = metrics_of([direct(0, 0, "Paris.", True), direct(0, 0, "Lyon."), direct(1, 0, "Paris."),
+                    direct(0, 1, "Paris."), direct(0, 0, "I cannot say."), direct(0, 0, " "),
+                    episode(True, 1, 0, 0)])
+    assert m["direct_answer_rate"] == 2 / 6
+    assert metrics_of([episode(True, 1, 0, 0)])["direct_answer_rate"] is None
+
+
 def test_no_calls_and_no_faults_are_reported_plainly() -> None:
     m = metrics_of([episode(False, 1, 0, 0)])
     assert m["invalid_call_rate"] == 0.0 and m["recovery_rate"] is None and m["valid_call_rate"] == 0.0

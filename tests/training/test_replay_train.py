@@ -39,8 +39,10 @@ from training.general import GeneralCheck
 from training.replay_train import ReplayTrainError, replay_train
 from training.settings import HarnessSettings
 from training.tasks import SUITES, get_suite, leak_filter, test_only_markers
+from training.tasks.tools_suite import SIZES
 
 pytestmark = pytest.mark.integration
+TRAIN, VALIDATION = sum(SIZES["train"].values()), sum(SIZES["validation"].values())
 
 GENERAL = [
     [{"role": "user", "content": f"Tell me something about the number {i}."},
@@ -64,7 +66,7 @@ def settings(tmp_path: Path, tiny_model_dir: Path) -> HarnessSettings:
 
 def test_replay_train_selects_trains_validates_gates_and_registers(settings: HarnessSettings) -> None:
     result = asyncio.run(capture(settings, "tools", "train", attempts=0))
-    assert result.demonstrations == 344
+    assert result.demonstrations == TRAIN
     outcome = asyncio.run(replay_train(settings, Filters(source="demo"), console=Console(quiet=True)))
     assert outcome.decision is not None and outcome.registered is not None
     version = outcome.registered
@@ -73,8 +75,9 @@ def test_replay_train_selects_trains_validates_gates_and_registers(settings: Har
     stored = AdapterRegistry(settings.store.path).get("tools", 1).metrics
     assert stored["gate"]["passed"] == outcome.decision.passed
     assert set(stored["test"]) >= {"success_rate", "valid_call_rate", "recovery_rate", "general_perplexity",
-                                   "unseen_tool_success_rate"}
+                                   "unseen_tool_success_rate", "direct_answer_rate"}
     assert stored["test"]["unseen_tool_success_rate"] is not None  # the test split's convert_units tasks
+    assert stored["test"]["direct_answer_rate"] is not None  # the gate's questions no offered tool fits
     assert stored["reference"]["model"] == "base"
     run = outcome.run_dir
     for name in ("eval.json", "eval.png", "loss.png", "metrics.jsonl"):
@@ -82,15 +85,15 @@ def test_replay_train_selects_trains_validates_gates_and_registers(settings: Har
     assert (Path(version.path) / "adapter_config.json").is_file()
     before, after = orjson.loads((run / "eval.json").read_bytes())
     assert before["split"] == after["split"] == "gate" and len(after["episodes"]) == settings.training.gate.tasks
-    assert stored["gate"]["tasks"] == 100 and len(stored["gate"]["checks"]) == 7
+    assert stored["gate"]["tasks"] == 100 and len(stored["gate"]["checks"]) == 8
     # Each stage's wall time and what it processed, with the version and (with register too) in the run folder.
     stages = stored["stages"]
     assert [s["stage"] for s in stages] == ["select", "reward", "build", "sft", "validate", "reference", "evaluate",
                                             "gate"]
     assert all(s["seconds"] >= 0 for s in stages)
     by_name = {s["stage"]: s for s in stages}
-    assert by_name["build"]["rows"] > 344 and by_name["sft"]["tokens"] > 0
-    assert by_name["validate"]["episodes"] == 2 * 44 and by_name["evaluate"]["episodes"] == 100
+    assert by_name["build"]["rows"] > TRAIN and by_name["sft"]["tokens"] > 0
+    assert by_name["validate"]["episodes"] == 2 * VALIDATION and by_name["evaluate"]["episodes"] == 100
     assert by_name["reference"]["episodes"] == 100  # evaluated: nothing cached yet
     assert [s["stage"] for s in orjson.loads((run / "stages.json").read_bytes())][-1] == "register"
 

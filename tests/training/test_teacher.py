@@ -124,6 +124,39 @@ def test_a_chain_is_finished_from_where_it_stands_after_an_invalid_call(suite: T
     assert finish(suite, task, messages).success
 
 
+def test_independent_calls_are_made_together_and_a_missing_one_alone(suite: ToolsSuite) -> None:
+    task = first(suite, "service_parallel", "train")
+    messages = start(suite, task)
+    together = asyncio.run(suite.next_turn(task, messages))
+    calls = [c["function"] for c in together["tool_calls"]]
+    assert len(calls) == 2 and calls[0]["name"] == calls[1]["name"] and calls[0] != calls[1]
+    # The policy made them one at a time: after the first, the teacher makes the second alone; then it answers.
+    outputs = [asyncio.run(suite.clean_toolbox(task).execute(c["name"], json.loads(c["arguments"]))).output
+               for c in calls]
+    messages += [call(calls[0]["name"], json.loads(calls[0]["arguments"])), result(outputs[0])]
+    second = asyncio.run(suite.next_turn(task, messages))
+    assert [c["function"] for c in second["tool_calls"]] == [calls[1]]
+    messages += [call(calls[1]["name"], json.loads(calls[1]["arguments"]), "call_p2"), result(outputs[1], "call_p2")]
+    answer = asyncio.run(suite.next_turn(task, messages))
+    assert "tool_calls" not in answer and suite.verify(task, answer["content"], messages)
+    # Making only the first of the two is told apart from a wrong call.
+    policy = call(calls[0]["name"], json.loads(calls[0]["arguments"]))
+    tools = suite.toolbox(task).openai_tools()
+    kind = asyncio.run(disagreement(suite, task, start(suite, task), tools, policy, together))
+    assert kind == "calls_apart"
+    assert asyncio.run(disagreement(suite, task, start(suite, task), tools, together, together)) is None
+
+
+def test_where_no_offered_tool_fits_it_answers_at_once(suite: ToolsSuite) -> None:
+    task = first(suite, "no_tool", "train")
+    turn = asyncio.run(suite.next_turn(task, start(suite, task)))
+    assert "tool_calls" not in turn and suite.verify(task, turn["content"], [*start(suite, task), turn])
+    policy = call(task.tools[0], {})
+    tools = suite.toolbox(task).openai_tools()
+    assert asyncio.run(disagreement(suite, task, start(suite, task), tools, policy, turn)) == \
+        "called_instead_of_answering"
+
+
 def test_calls_the_plan_does_not_need_are_left_aside(suite: ToolsSuite) -> None:
     task = first(suite, "calculator")
     messages = start(suite, task) + [call("sql_query", {"query": "SELECT name FROM products"}),

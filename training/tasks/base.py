@@ -18,7 +18,7 @@ import json
 import math
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -71,6 +71,13 @@ class Fault:
 
 
 @dataclass(frozen=True)
+class Direct:
+    """The expected value of a task no offered tool fits: an answer given without any call, holding ``word``."""
+
+    word: str
+
+
+@dataclass(frozen=True)
 class Task:
     id: str  # unique and stable, e.g. "tools/train/calc-017"
     suite: str
@@ -78,7 +85,9 @@ class Task:
     split: str
     prompt: str  # the user message
     tools: tuple[str, ...]  # the tools offered in this episode
-    expected: Any  # a number, a string, or None when the right answer is that it cannot be answered
+    # a number, a string, a tuple of them (each must be stated: independent calls in one turn), None when the right
+    # answer is that it cannot be answered, or a Direct when no offered tool fits and none may be called
+    expected: Any
     fault: Fault | None = None
 
 
@@ -160,10 +169,14 @@ def check_final(expected: Any, final: str | None, prompt: str = "", alternatives
     - ``expected is None`` (cannot be answered): the answer must refuse and must not state a number
       that is not in the prompt (that would be an invented answer);
     - otherwise a refusal fails;
+    - a ``Direct``: its word must appear in the answer, as a whole word (``Suite.verify`` checks that no tool was
+      called);
     - a number: the answer's last number must be it (relative tolerance 1e-6 or absolute 0.01), and the answer
       may state at most ``MAX_STATED`` distinct values the prompt does not hold (its working, not a list);
     - a string: it must appear in the answer (case-insensitively, as a whole word) and none of ``alternatives``
-      (the other values it could have been, e.g. the other cities) may.
+      (the other values it could have been, e.g. the other cities) may;
+    - a tuple: each of its values must be stated (a number anywhere in the answer, a string as above), within the
+      same limit of stated values, and no alternative that is none of them.
     """
     if final is None or not final.strip():
         return False
@@ -174,21 +187,33 @@ def check_final(expected: Any, final: str | None, prompt: str = "", alternatives
         return all(any(close(n, g) for g in given) for n in numbers_in(final))
     if is_refusal(final):
         return False
-    if isinstance(expected, bool):
-        raise TypeError("a task's expected value may not be a bool")
-    if isinstance(expected, int | float):
-        numbers, given = numbers_in(final), numbers_in(prompt)
-        stated: list[float] = []
-        for n in numbers:
-            if not any(close(n, g) for g in given) and not any(close(n, s) for s in stated):
-                stated.append(n)
-                if len(stated) > MAX_STATED:  # a list of guesses, however long
-                    return False
+    if isinstance(expected, Direct):
+        return _says(final, expected.word)
+    values = expected if isinstance(expected, tuple) else (expected,)
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise TypeError(f"cannot verify an expected value of type {type(value).__name__}")
+    numbers = numbers_in(final)
+    if any(isinstance(v, int | float) for v in values) and _states_more(numbers, numbers_in(prompt), MAX_STATED):
+        return False  # a list of guesses, however long
+    strings = {v.lower() for v in values if isinstance(v, str)}
+    if any(_says(final, other) for other in alternatives if other.lower() not in strings):
+        return False
+    if len(values) == 1 and isinstance(expected, int | float):
         return bool(numbers) and close(numbers[-1], float(expected))
-    if isinstance(expected, str):
-        return _says(final, expected) and not any(_says(final, other) for other in alternatives
-                                                  if other.lower() != expected.lower())
-    raise TypeError(f"cannot verify an expected value of type {type(expected).__name__}")
+    return all(_says(final, v) if isinstance(v, str) else any(close(n, float(v)) for n in numbers) for v in values)
+
+
+def _states_more(numbers: list[float], given: list[float], limit: int) -> bool:
+    """Whether an answer states more than ``limit`` distinct numbers its prompt does not hold (stops there: a list
+    of guesses may be long)."""
+    stated: list[float] = []
+    for n in numbers:
+        if not any(close(n, g) for g in given) and not any(close(n, s) for s in stated):
+            stated.append(n)
+            if len(stated) > limit:
+                return True
+    return False
 
 
 def _says(text: str, value: str) -> bool:
@@ -206,6 +231,8 @@ def format_number(value: float | int) -> str:
 
 # -- solving --------------------------------------------------------------------------------------
 
+Call = tuple[str, Mapping[str, Any]]  # a tool's name and its arguments
+
 
 class Demonstration:
     """Builds a perfect agent's conversation by running calls through an episode's toolbox.
@@ -222,23 +249,32 @@ class Demonstration:
         self.retry = retry
         self._ids = 0
 
-    async def _once(self, name: str, arguments: Mapping[str, Any]) -> ToolOutcome:
-        self._ids += 1
-        call_id = f"call_{self._ids}"
+    async def _turn(self, calls: Sequence[Call]) -> list[ToolOutcome]:
+        """One assistant turn making ``calls`` (several: parallel tool calls), then their results in order."""
+        ids = []
+        for _ in calls:
+            self._ids += 1
+            ids.append(f"call_{self._ids}")
         self.messages.append({"role": "assistant", "content": "", "tool_calls": [
-            {"id": call_id, "type": "function",
-             "function": {"name": name, "arguments": json.dumps(dict(arguments), ensure_ascii=False)}}]})
-        outcome = await self.toolbox.execute(name, dict(arguments))
-        self.messages.append({"role": "tool", "tool_call_id": call_id, "content": outcome.output})
-        return outcome
+            _tool_call(call_id, name, arguments) for call_id, (name, arguments) in zip(ids, calls, strict=True)]})
+        outcomes = [await self.toolbox.execute(name, dict(arguments)) for name, arguments in calls]
+        self.messages.extend({"role": "tool", "tool_call_id": call_id, "content": outcome.output}
+                             for call_id, outcome in zip(ids, outcomes, strict=True))
+        return outcomes
 
     async def call(self, name: str, arguments: Mapping[str, Any]) -> str:
         """The tool's output, after one retry when the first attempt failed or came back empty."""
-        outcome = await self._once(name, arguments)
-        if outcome.status != "ok" or not outcome.output.strip():
-            again = self.retry(name, dict(arguments)) if self.retry else dict(arguments)
-            outcome = await self._once(name, again)
-        return outcome.output
+        return (await self.calls([(name, arguments)]))[0]
+
+    async def calls(self, calls: Sequence[Call]) -> list[str]:
+        """Independent calls made together in one turn; each that failed or came back empty is retried in a turn of
+        its own. Their outputs, in order."""
+        outcomes = await self._turn(calls)
+        for i, ((name, arguments), outcome) in enumerate(zip(calls, outcomes, strict=True)):
+            if outcome.status != "ok" or not outcome.output.strip():
+                again = self.retry(name, dict(arguments)) if self.retry else dict(arguments)
+                outcomes[i] = (await self._turn([(name, again)]))[0]
+        return [outcome.output for outcome in outcomes]
 
     def answer(self, text: str) -> list[dict[str, Any]]:
         self.messages.append({"role": "assistant", "content": text})
@@ -247,6 +283,11 @@ class Demonstration:
 
 # How a perfect agent solves a task: its calls through a Demonstration, then its answer.
 Plan = Callable[[Demonstration], Awaitable[Any]]
+
+
+def _tool_call(call_id: str, name: str, arguments: Mapping[str, Any]) -> dict[str, Any]:
+    return {"id": call_id, "type": "function",
+            "function": {"name": name, "arguments": json.dumps(dict(arguments), ensure_ascii=False)}}
 
 
 class _Decided(Exception):  # noqa: N818 - control flow, not an error: the plan reached the next turn
@@ -270,16 +311,24 @@ class Continuation(Demonstration):
         self._used: set[int] = set()
         self._ids = sum(len(m.get("tool_calls") or []) for m in messages if m.get("role") == "assistant")
 
-    async def _once(self, name: str, arguments: Mapping[str, Any]) -> ToolOutcome:
-        outcome = await self.toolbox.execute(name, dict(arguments))
-        for i, (tool, content) in enumerate(self._results):
-            if i not in self._used and tool == name and content == outcome.output.strip():
-                self._used.add(i)
-                return outcome
-        self._ids += 1
-        raise _Decided({"role": "assistant", "content": "", "tool_calls": [
-            {"id": f"call_t{self._ids}", "type": "function",
-             "function": {"name": name, "arguments": json.dumps(dict(arguments), ensure_ascii=False)}}]})
+    async def _turn(self, calls: Sequence[Call]) -> list[ToolOutcome]:
+        outcomes = [await self.toolbox.execute(name, dict(arguments)) for name, arguments in calls]
+        missing = []
+        for call, outcome in zip(calls, outcomes, strict=True):
+            found = next((i for i, (tool, content) in enumerate(self._results) if i not in self._used
+                          and tool == call[0] and content == outcome.output.strip()), None)
+            if found is None:
+                missing.append(call)
+            else:
+                self._used.add(found)
+        if not missing:
+            return outcomes
+        # The turn makes together the calls of this step the conversation lacks.
+        turn = []
+        for name, arguments in missing:
+            self._ids += 1
+            turn.append(_tool_call(f"call_t{self._ids}", name, arguments))
+        raise _Decided({"role": "assistant", "content": "", "tool_calls": turn})
 
     def answer(self, text: str) -> list[dict[str, Any]]:
         raise _Decided({"role": "assistant", "content": text})
@@ -308,10 +357,10 @@ class Suite(ABC):
         """The split's tasks, always the same ones in the same order."""
 
     @abstractmethod
-    def draw(self, split: str, count: int, *, seed: int, min_faulted: int = 0) -> list[Task]:
+    def draw(self, split: str, count: int, *, seed: int, min_faulted: int = 0, min_direct: int = 0) -> list[Task]:
         """``count`` fresh tasks from ``split``'s templates, drawn with ``seed`` (the gate's tasks), at least
-        ``min_faulted`` of them with an injected fault where the split has faulted tasks; ``solve`` and
-        ``verify`` know them."""
+        ``min_faulted`` of them with an injected fault where the split has faulted tasks and ``min_direct`` that no
+        offered tool fits where it has such tasks; ``solve`` and ``verify`` know them."""
 
     @abstractmethod
     def registry(self) -> ToolRegistry:
@@ -354,7 +403,11 @@ class Suite(ABC):
         return TaskToolbox(Toolbox(self.registry(), self.context(), task.tools))
 
     def verify(self, task: Task, final: str | None, messages: list[dict[str, Any]]) -> bool:
-        """Whether the episode succeeded, judged on its final answer (see ``check_final``)."""
+        """Whether the episode succeeded, judged on its final answer (see ``check_final``); where no offered tool
+        fits, also on making no call (an invalid or refused one included)."""
+        if isinstance(task.expected, Direct) and any(m.get("tool_calls") for m in messages
+                                                     if m.get("role") == "assistant"):
+            return False
         return check_final(task.expected, final, task.prompt, self.alternatives(task))
 
     def alternatives(self, task: Task) -> tuple[str, ...]:

@@ -1,18 +1,21 @@
-"""Generated service tools and their tasks: many functions over several domains, from templates.
+"""Generated service tools and their tasks: ninety functions over thirty domains, from templates.
 
-Each ``Domain`` (flights, books, hotels, ...) is a template: an entity with a key and typed attributes. From it
-come, seeded and reproducible,
+Each ``Domain`` (``domains.py``: flights, books, hotels, ...) is a template: an entity with a key and typed
+attributes. From it come, seeded and reproducible,
 
 - its records (``Domain.records``): enum attributes drawn from their choices, numbers from their ranges, the
   priced attribute distinct within the domain so "the cheapest" has one answer;
 - three tools (``domain_tools``), each with its own name and description: a look-up by key, a search (a nested
-  ``filter`` object with an optional enum and an optional integer bound, and an optional ``limit``; matches come
-  cheapest first) and a quote (an integer ``quantity`` and a nested optional ``options`` object with
-  a ``currency`` enum and an ``express`` boolean);
-- tasks in six families (``FAMILIES``), each with several phrasings per split: ``service_lookup``,
-  ``service_search`` (a count, with or without a price bound), ``service_quote``, ``service_chain`` (two look-ups
-  and a calculation, or a search then a look-up), ``service_recovery`` (a look-up or a quote whose first call
-  fails) and ``service_decline`` (a key the service does not know: the right answer is that it cannot say).
+  ``filter`` object with an optional array of enum values and an optional number bound with a range, and an
+  optional ``limit``; matches come cheapest first) and a quote (an integer ``quantity`` with a range and a nested
+  optional ``options`` object with a ``currency`` enum and an ``express`` boolean);
+- tasks in nine families (``FAMILIES``), each with several phrasings per split: ``service_lookup``,
+  ``service_search`` (a count of one value or either of two, with or without a price bound), ``service_quote``,
+  ``service_chain`` (two look-ups and a calculation, or a search then a look-up), ``service_recovery`` (a look-up
+  or a quote whose first call fails), ``service_decline`` (a key the service does not know: the right answer is
+  that it cannot say), ``service_parallel`` (one field of two records: two independent look-ups, made together in
+  one turn), ``service_choice`` (a look-up, quote or count with two other domains' tools offered too: only one
+  domain's fit) and ``no_tool`` (a question no offered tool fits, answered without a call).
 
 Held out: each seen domain's keys are split between train, validation and test, and the prompts of each split
 have phrasings of their own; two domains (``UNSEEN_DOMAINS``: six tools) appear only in test, as the family
@@ -25,127 +28,16 @@ import json
 import random
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 from tools.context import ToolContext
 from tools.spec import ToolSpec
-from training.tasks.base import FAULT_KINDS, Demonstration, Fault, Plan, format_number
+from training.tasks.base import FAULT_KINDS, Demonstration, Direct, Fault, Plan, format_number
+from training.tasks.domains import BY_NAME, DOMAINS, SEEN_DOMAINS, UNSEEN_DOMAINS, Domain
 
 CURRENCIES = {"EUR": 1.0, "USD": 1.1, "GBP": 0.85}  # a quote's total in each, from its price in EUR
 EXPRESS_FEE = 15  # EUR added to a quote with express service
 SPLIT_OF_KEY = ("train",) * 4 + ("validation", "test")  # a seen domain's keys by position, in runs of six
-
-
-@dataclass(frozen=True)
-class Attribute:
-    name: str  # the field in tool results and schemas, e.g. "fare"
-    phrase: str  # how a prompt names it, e.g. "fare"
-    kind: Literal["integer", "enum"]
-    choices: tuple[str, ...] = ()  # an enum's values
-    low: int = 0  # an integer's range
-    high: int = 0
-
-
-@dataclass(frozen=True)
-class Domain:
-    name: str
-    entity: str  # "flight"
-    plural: str  # "flights"
-    ref: str  # how a prompt names one record: "flight {key}"
-    key: str  # the key parameter: "flight_number"
-    key_phrase: str  # "flight number"
-    prefixes: tuple[str, ...]  # keys are prefix + suffix pairs
-    suffixes: tuple[str, ...]
-    attributes: tuple[Attribute, ...]
-    category: str  # the enum attribute searches filter on
-    price: str  # the integer attribute quotes multiply and searches bound and sort by
-    unit: str  # what a quote's quantity counts: "seats"
-    tools: tuple[str, str, str]  # the look-up, search and quote tools' names
-    what: str  # what the service is, for descriptions: "the airline's flight schedule"
-    size: int = 18
-    joiner: str = " "
-
-    def attribute(self, name: str) -> Attribute:
-        return next(a for a in self.attributes if a.name == name)
-
-    def ref_of(self, key: str) -> str:
-        return self.ref.format(key=key)
-
-
-def _int(name: str, phrase: str, low: int, high: int) -> Attribute:
-    return Attribute(name, phrase, "integer", low=low, high=high)
-
-
-def _enum(name: str, phrase: str, *choices: str) -> Attribute:
-    return Attribute(name, phrase, "enum", choices=choices)
-
-
-DOMAINS: tuple[Domain, ...] = (
-    Domain("flights", "flight", "flights", "flight {key}", "flight_number", "flight number",
-           ("AZ", "KL", "LX", "OS", "SK", "TP"), ("214", "388", "452", "617", "730", "845"),
-           (_enum("status", "status", "on time", "delayed", "cancelled", "boarding"),
-            _enum("terminal", "terminal", "north", "south", "central"),
-            _int("fare", "fare", 60, 480), _int("seats_left", "number of free seats", 0, 90)),
-           "status", "fare", "seats", ("get_flight", "search_flights", "quote_fare"),
-           "the airline's flight schedule", joiner=""),
-    Domain("books", "book", "books", "the book {key}", "title", "title",
-           ("Winter", "Silent", "Hidden", "Golden", "Broken", "Distant"),
-           ("Harbor", "Orchard", "Lantern", "Compass", "Meadow", "Archive"),
-           (_enum("genre", "genre", "mystery", "history", "poetry", "science"),
-            _enum("shelf", "shelf", "upper", "middle", "lower"),
-            _int("weekly_rent", "weekly rental price", 2, 40), _int("copies", "number of copies", 1, 12)),
-           "genre", "weekly_rent", "weeks", ("find_book", "search_catalog", "quote_rental"),
-           "the library catalogue"),
-    Domain("hotels", "hotel", "hotels", "the {key} hotel", "hotel", "hotel name",
-           ("Aurora", "Cedar", "Harbour", "Linden", "Maple", "Summit"),
-           ("Lodge", "Court", "House", "Palace", "Inn", "Suites"),
-           (_enum("board", "board", "breakfast", "half board", "full board", "room only"),
-            _enum("district", "district", "old town", "riverside", "station"),
-            _int("nightly_rate", "nightly rate", 45, 390), _int("stars", "star rating", 1, 5)),
-           "board", "nightly_rate", "nights", ("get_hotel", "search_hotels", "quote_stay"),
-           "the hotel booking service"),
-    Domain("cars", "rental car", "rental cars", "the rental car {key}", "plate", "plate number",
-           ("RC", "RT", "RV", "RW", "RX", "RY"), ("1042", "2317", "3580", "4621", "5903", "6174"),
-           (_enum("category", "category", "economy", "compact", "estate", "minivan"),
-            _enum("gearbox", "gearbox", "manual", "automatic"),
-            _int("daily_rate", "daily rate", 18, 140), _int("doors", "number of doors", 2, 5)),
-           "category", "daily_rate", "days", ("get_car", "search_cars", "quote_rental_car"),
-           "the car rental fleet", joiner="-"),
-    Domain("dishes", "dish", "dishes", "the dish {key}", "dish", "dish name",
-           ("smoked", "spiced", "grilled", "roasted", "braised", "glazed"),
-           ("trout", "lentils", "aubergine", "lamb", "tofu", "risotto"),
-           (_enum("cuisine", "cuisine", "nordic", "levantine", "andean", "bengali"),
-            _enum("course", "course", "starter", "main", "dessert"),
-            _int("price", "menu price", 6, 58), _int("calories", "calorie count", 180, 1200)),
-           "cuisine", "price", "portions", ("get_dish", "search_menu", "quote_order"),
-           "the restaurant's menu"),
-    Domain("parcels", "parcel", "parcels", "parcel {key}", "tracking_id", "tracking id",
-           ("PK", "PL", "PM", "PN", "PQ", "PR"), ("4821", "5370", "6194", "7038", "8265", "9412"),
-           (_enum("state", "delivery state", "in transit", "delivered", "held at customs", "out for delivery"),
-            _enum("service", "shipping service", "standard", "priority", "freight"),
-            _int("fee", "shipping fee", 4, 96), _int("weight_kg", "weight in kilograms", 1, 40)),
-           "state", "fee", "parcels", ("track_parcel", "search_parcels", "quote_shipping"),
-           "the courier's tracking system", joiner="-"),
-    # Test only: no train or validation task offers these tools.
-    Domain("concerts", "concert", "concerts", "the {key} concert", "concert", "concert name",
-           ("Velvet", "Copper", "Crimson", "Ivory", "Cobalt", "Amber"),
-           ("Echoes", "Tides", "Skyline", "Rhythms", "Voices", "Strings"),
-           (_enum("venue", "venue", "arena", "opera house", "open-air stage", "jazz club"),
-            _enum("genre", "genre", "rock", "classical", "folk", "electronic"),
-            _int("ticket_price", "ticket price", 15, 220), _int("tickets_left", "number of tickets left", 0, 500)),
-           "venue", "ticket_price", "tickets", ("get_concert", "search_concerts", "quote_tickets"),
-           "the concert box office"),
-    Domain("medicines", "medicine", "medicines", "the medicine {key}", "medicine", "medicine name",
-           ("Nexo", "Calvi", "Dorma", "Lumi", "Pira", "Tolva"),
-           ("dine", "prazole", "cillin", "statin", "mab", "sartan"),
-           (_enum("form", "form", "tablet", "capsule", "syrup", "cream"),
-            _enum("prescription", "prescription status", "prescription only", "over the counter"),
-            _int("pack_price", "pack price", 3, 85), _int("stock", "packs in stock", 0, 300)),
-           "form", "pack_price", "packs", ("get_medicine", "search_pharmacy", "quote_medicine"),
-           "the pharmacy's stock system", joiner=""),
-)
-UNSEEN_DOMAINS = ("concerts", "medicines")
-_DOMAIN = {d.name: d for d in DOMAINS}
 
 # -- records and tools ------------------------------------------------------------------------------
 
@@ -183,10 +75,11 @@ class Catalogue:
     def unknown_keys(self, split: str) -> list[str]:
         return list(self.unknown[{"train": slice(0, 5), "validation": slice(5, 7), "test": slice(7, 9)}[split]])
 
-    def search(self, value: str | None, bound: int | None = None) -> list[str]:
-        """The keys of the records matching, cheapest first."""
+    def search(self, values: str | list[str] | None, bound: float | None = None) -> list[str]:
+        """The keys of the records matching (any of ``values``), cheapest first."""
         d = self.domain
-        keys = [k for k, r in self.records.items() if (value is None or r[d.category] == value)
+        wanted = [values] if isinstance(values, str) else values
+        keys = [k for k, r in self.records.items() if (not wanted or r[d.category] in wanted)
                 and (bound is None or r[d.price] <= bound)]
         return sorted(keys, key=lambda k: self.records[k][d.price])
 
@@ -203,6 +96,7 @@ def domain_tools(catalogue: Catalogue) -> tuple[ToolSpec, ToolSpec, ToolSpec]:
     """The domain's look-up, search and quote tools over its records."""
     d = catalogue.domain
     fields = [a.name for a in d.attributes]
+    price = d.attribute(d.price)
     key_schema = {"type": "string", "description": f"the {d.key_phrase}"}
     currency = {"type": "string", "enum": list(CURRENCIES), "description": "currency of the total (default EUR)"}
 
@@ -236,8 +130,10 @@ def domain_tools(catalogue: Catalogue) -> tuple[ToolSpec, ToolSpec, ToolSpec]:
             "type": "object",
             "properties": {
                 "filter": {"type": "object", "properties": {
-                    d.category: {"type": "string", "enum": list(d.attribute(d.category).choices)},
-                    f"max_{d.price}": {"type": "integer", "minimum": 0}}, "additionalProperties": False},
+                    d.category: {"type": "array", "items": {"type": "string", "enum": list(
+                        d.attribute(d.category).choices)}, "minItems": 1, "description": "any of these"},
+                    f"max_{d.price}": {"type": "number", "minimum": 0, "maximum": 10 * price.high}},
+                    "additionalProperties": False},
                 "limit": {"type": "integer", "minimum": 0, "maximum": 20,
                           "description": "how many matches to list (default 10; 0: only count)"}},
             "required": ["filter"], "additionalProperties": False}, search, timeout=5.0),
@@ -272,6 +168,12 @@ PHRASINGS: dict[str, dict[str, tuple[str, ...]]] = {
         "validation": ("Give me the number of {plural} with {category} {value}.",),
         "test": ("Across the whole service, how many {plural} list {value} as {category}?",),
     },
+    "count_any": {
+        "train": ("How many {plural} have {category} {value} or {other}?",
+                  "Count the {plural} whose {category} is either {value} or {other}."),
+        "validation": ("Tally the {plural} listed with {category} {value} or {other}.",),
+        "test": ("Taken together, how many {plural} show {category} {value} or else {other}?",),
+    },
     "count_bound": {
         "train": ("How many {plural} with {category} {value} have a {price} of at most {bound}?",
                   "Of the {plural} with {category} {value}, how many have a {price} no higher than {bound}?"),
@@ -299,6 +201,12 @@ PHRASINGS: dict[str, dict[str, tuple[str, ...]]] = {
         "validation": ("Work out how far apart the {price} of {a} and the {price} of {b} are.",),
         "test": ("Compared with {b}, how much extra is the {price} of {a}?",),
     },
+    "pair": {
+        "train": ("What is the {field} of {a}, and what is it for {b}?", "Tell me the {field} of {a} and of {b}.",
+                  "Look up the {field} of both {a} and {b}.", "Give me the {field} of {a} and the {field} of {b}."),
+        "validation": ("I'd like the {field} for {a} as well as for {b}.",),
+        "test": ("Report the {field} listed for {a} and, separately, for {b}.",),
+    },
     "cheapest": {
         "train": ("What is the {field} of the cheapest {entity} with {category} {value}?",
                   "Among {plural} with {category} {value}, find the one with the lowest {price} and tell me "
@@ -307,22 +215,91 @@ PHRASINGS: dict[str, dict[str, tuple[str, ...]]] = {
         "test": ("Which {field} goes with the lowest-costing {entity} among those with {category} {value}?",),
     },
 }
+# Questions no service tool fits, with the answer a perfect agent gives without a call and the word that answer must
+# hold: general knowledge and language. (Questions that need live data no tool has, like the weather, are the
+# ``cannot`` family's: declined.)
+DIRECT: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "train": (
+        ("What is the capital of France?", "The capital of France is Paris.", "Paris"),
+        ("How many days are there in a week?", "A week has seven days.", "seven"),
+        ("Say 'good morning' in Spanish.", "In Spanish, good morning is 'buenos días'.", "buenos"),
+        ("What colour do you get by mixing blue and yellow?", "Mixing blue and yellow gives green.", "green"),
+        ("What is the opposite of 'ancient'?", "The opposite of 'ancient' is 'modern'.", "modern"),
+        ("Which planet is closest to the sun?", "Mercury is the planet closest to the sun.", "Mercury"),
+        ("What do bees make?", "Bees make honey.", "honey"),
+        ("What is the plural of 'mouse'?", "The plural of 'mouse' is 'mice'.", "mice"),
+        ("In which season do leaves fall from the trees?", "Leaves fall from the trees in autumn.", "autumn"),
+        ("What language is spoken in Mexico?", "The main language of Mexico is Spanish.", "Spanish"),
+        ("What is water made of?", "Water is made of hydrogen and oxygen.", "hydrogen"),
+        ("Tell me a word that rhymes with 'cat'.", "'Hat' rhymes with 'cat'.", "hat"),
+        ("Which animal is known as the king of the jungle?", "The lion is known as the king of the jungle.",
+         "lion"),
+        ("How do you say 'thank you' in French?", "In French, thank you is 'merci'.", "merci"),
+        ("What is the largest ocean on Earth?", "The Pacific is the largest ocean on Earth.", "Pacific"),
+        ("What is the freezing point of water in Celsius?", "Water freezes at zero degrees Celsius.", "zero"),
+        ("Name a fruit that is yellow.", "A banana is a yellow fruit.", "banana"),
+        ("What is the main ingredient of guacamole?", "The main ingredient of guacamole is avocado.", "avocado"),
+        ("Who wrote 'Romeo and Juliet'?", "'Romeo and Juliet' was written by William Shakespeare.", "Shakespeare"),
+        ("What is a baby dog called?", "A baby dog is called a puppy.", "puppy"),
+        ("What do you call a shape with three sides?", "A shape with three sides is a triangle.", "triangle"),
+        ("What colour is the sky on a clear day?", "On a clear day the sky is blue.", "blue"),
+        ("What is the past tense of 'run'?", "The past tense of 'run' is 'ran'.", "ran"),
+        ("Which organ pumps blood around the body?", "The heart pumps blood around the body.", "heart"),
+        ("How many hours are there in a day?", "A day has twenty-four hours.", "twenty-four"),
+        ("What is the capital of Germany?", "The capital of Germany is Berlin.", "Berlin"),
+        ("Which animal gives us wool?", "Sheep give us wool.", "sheep"),
+        ("What is the opposite of 'cold'?", "The opposite of 'cold' is 'hot'.", "hot"),
+    ),
+    "validation": (
+        ("What is the capital of Italy?", "The capital of Italy is Rome.", "Rome"),
+        ("What gas do plants take in from the air?", "Plants take in carbon dioxide from the air.", "carbon"),
+        ("Which is the longest river in Africa?", "The Nile is the longest river in Africa.", "Nile"),
+        ("What is the singular of 'geese'?", "The singular of 'geese' is 'goose'.", "goose"),
+        ("What is a young cat called?", "A young cat is called a kitten.", "kitten"),
+    ),
+    "test": (
+        ("Which continent is Egypt in?", "Egypt is in Africa.", "Africa"),
+        ("What is the past tense of 'swim'?", "The past tense of 'swim' is 'swam'.", "swam"),
+        ("Which instrument has black and white keys?", "The piano has black and white keys.", "piano"),
+        ("What is the tallest animal in the world?", "The giraffe is the tallest animal in the world.", "giraffe"),
+        ("How many legs does a spider have?", "A spider has eight legs.", "eight"),
+        ("What is the capital of Canada?", "The capital of Canada is Ottawa.", "Ottawa"),
+        ("What is the opposite of 'generous'?", "The opposite of 'generous' is 'stingy'.", "stingy"),
+        ("Which bird is a symbol of peace?", "The dove is a symbol of peace.", "dove"),
+        ("How do you say 'hello' in Italian?", "In Italian, hello is 'ciao'.", "ciao"),
+        ("What do caterpillars turn into?", "Caterpillars turn into butterflies.", "butterflies"),
+        ("Which metal is liquid at room temperature?", "Mercury is the metal that is liquid at room temperature.",
+         "Mercury"),
+        ("Name a vegetable that is orange.", "A carrot is an orange vegetable.", "carrot"),
+        ("What is the name of our galaxy?", "Our galaxy is the Milky Way.", "Milky Way"),
+        ("Give me a synonym for 'quick'.", "A synonym for 'quick' is 'fast'.", "fast"),
+        ("What is frozen water called?", "Frozen water is called ice.", "ice"),
+        ("Which planet is known as the red planet?", "Mars is known as the red planet.", "Mars"),
+        ("What is the capital of Spain?", "The capital of Spain is Madrid.", "Madrid"),
+        ("What is the opposite of 'early'?", "The opposite of 'early' is 'late'.", "late"),
+    ),
+}
+
 # A task family → the phrasing kinds it draws from, in turn.
 KINDS: dict[str, tuple[str, ...]] = {
     "service_lookup": ("lookup",),
-    "service_search": ("count", "count", "count_bound"),
+    "service_search": ("count", "count_any", "count_bound"),
     "service_quote": ("quote", "quote", "quote_express"),
     "service_chain": ("diff", "cheapest"),
     "service_recovery": ("lookup", "quote"),
     "service_decline": ("lookup",),
     "unseen_service": ("lookup", "quote", "count", "diff", "cheapest"),
+    "service_parallel": ("pair",),
+    "service_choice": ("lookup", "quote", "count"),
+    "no_tool": ("direct",),
 }
+DISTRACTORS = 2  # other domains whose look-up and quote tools a service_choice task offers too
 FAMILIES = tuple(KINDS)
 ID_PREFIX = {family: family.replace("_", "-") for family in FAMILIES}
 
 
 def phrasings(split: str) -> list[str]:
-    return [p for kinds in PHRASINGS.values() for p in kinds[split]]
+    return [p for kinds in PHRASINGS.values() for p in kinds[split]] + [q for q, *_ in DIRECT[split]]
 
 
 # -- plans ------------------------------------------------------------------------------------------
@@ -347,6 +324,12 @@ async def _count(demo: Demonstration, d: Domain, where: dict[str, Any]) -> None:
     demo.answer(f"There are {data['count']} such {d.plural}.")
 
 
+async def _pair(demo: Demonstration, d: Domain, a: str, b: str, attribute: str) -> None:
+    found = await demo.calls([(d.tools[0], {d.key: a}), (d.tools[0], {d.key: b})])
+    first, second = (_value(json.loads(out)[attribute]) for out in found)
+    demo.answer(f"The {d.attribute(attribute).phrase} of {d.ref_of(a)} is {first}, and of {d.ref_of(b)} {second}.")
+
+
 async def _quote(demo: Demonstration, d: Domain, key: str, quantity: int, options: dict[str, Any]) -> None:
     data = json.loads(await demo.call(d.tools[2], {d.key: key, "quantity": quantity, "options": options}))
     demo.answer(f"The total is {format_number(data['total'])} {data['currency']}.")
@@ -359,10 +342,14 @@ async def _diff(demo: Demonstration, d: Domain, a: str, b: str) -> None:
 
 
 async def _cheapest(demo: Demonstration, d: Domain, value: str, attribute: str) -> None:
-    found = json.loads(await demo.call(d.tools[1], {"filter": {d.category: value}, "limit": 1}))
+    found = json.loads(await demo.call(d.tools[1], {"filter": {d.category: [value]}, "limit": 1}))
     key = found["results"][0][d.key]
     data = json.loads(await demo.call(d.tools[0], {d.key: key}))
     demo.answer(f"The {d.attribute(attribute).phrase} of {d.ref_of(key)} is {_value(data[attribute])}.")
+
+
+async def _say(demo: Demonstration, text: str) -> None:
+    demo.answer(text)
 
 
 # -- generation -------------------------------------------------------------------------------------
@@ -392,8 +379,11 @@ class ServiceTasks:
     def draw(self, family: str, split: str, i: int) -> Drawn:
         kinds = KINDS[family]
         kind = kinds[i % len(kinds)]
-        names = UNSEEN_DOMAINS if family == "unseen_service" else \
-            tuple(d.name for d in DOMAINS if d.name not in UNSEEN_DOMAINS)
+        names = UNSEEN_DOMAINS if family == "unseen_service" else SEEN_DOMAINS
+        if family == "no_tool":
+            question, answer, word = self.rng.choice(DIRECT[split])
+            domain = BY_NAME[names[i % len(names)]]
+            return Drawn(question, Direct(word), partial(_say, text=answer), (*domain.tools, "calculator"))
         # In turn over the domains; a split may hold no record a "cheapest" question can end on: the next domain.
         for step in range(len(names)):
             catalogue = self.catalogues[names[(i // len(kinds) + step) % len(names)]]
@@ -402,6 +392,11 @@ class ServiceTasks:
                 break
         else:  # pragma: no cover - every split holds some domain's cheapest record
             raise RuntimeError(f"no domain can give a {kind} task for {split}")
+        if family == "service_choice":
+            others = self.rng.sample([n for n in names if n != catalogue.domain.name], DISTRACTORS)
+            extra = tuple(tool for n in others for tool in (BY_NAME[n].tools[0], BY_NAME[n].tools[2]))
+            tools = (*drawn.tools[:3], *extra, "calculator")
+            drawn = Drawn(drawn.prompt, drawn.expected, drawn.plan, tools, drawn.fault, drawn.alternatives)
         if family == "service_recovery":
             tool = catalogue.domain.tools[0 if kind == "lookup" else 2]
             kind_of_fault = FAULT_KINDS[(i // len(kinds)) % len(FAULT_KINDS)]
@@ -423,16 +418,16 @@ class ServiceTasks:
             if decline:
                 return Drawn(prompt, None, plan, tools)
             return Drawn(prompt, catalogue.records[key][attribute.name], plan, tools, alternatives=attribute.choices)
-        if kind in ("count", "count_bound"):
-            value = r.choice(d.attribute(d.category).choices)
-            where: dict[str, Any] = {d.category: value}
+        if kind in ("count", "count_any", "count_bound"):
+            values = r.sample(d.attribute(d.category).choices, 2 if kind == "count_any" else 1)
+            where: dict[str, Any] = {d.category: values}
             price = d.attribute(d.price)
             bound = r.randrange(price.low + (price.high - price.low) // 3, price.high, 5)
             if kind == "count_bound":
                 where[f"max_{d.price}"] = bound
-            expected = len(catalogue.search(value, where.get(f"max_{d.price}")))
-            prompt = phrasing.format(plural=d.plural, category=d.attribute(d.category).phrase, value=value,
-                                     price=price.phrase, bound=bound)
+            expected = len(catalogue.search(values, where.get(f"max_{d.price}")))
+            prompt = phrasing.format(plural=d.plural, category=d.attribute(d.category).phrase, value=values[0],
+                                     other=values[-1], price=price.phrase, bound=bound)
             return Drawn(prompt, expected, partial(_count, d=d, where=where), tools)
         if kind in ("quote", "quote_express"):
             key, n, currency = r.choice(keys), r.randint(2, 9), r.choice(tuple(CURRENCIES))
@@ -441,6 +436,13 @@ class ServiceTasks:
             prompt = phrasing.format(n=n, unit=d.unit, ref=d.ref_of(key), currency=currency)
             return Drawn(prompt, catalogue.quote(key, n, currency, express),
                          partial(_quote, d=d, key=key, quantity=n, options=options), tools)
+        if kind == "pair":
+            a, b = r.sample(keys, 2)
+            attribute = r.choice(d.attributes)
+            prompt = phrasing.format(field=attribute.phrase, a=d.ref_of(a), b=d.ref_of(b))
+            expected = (catalogue.records[a][attribute.name], catalogue.records[b][attribute.name])
+            return Drawn(prompt, expected, partial(_pair, d=d, a=a, b=b, attribute=attribute.name), tools,
+                         alternatives=attribute.choices)
         if kind == "diff":
             a, b = sorted(r.sample(keys, 2), key=lambda k: -catalogue.records[k][d.price])
             prompt = phrasing.format(price=d.attribute(d.price).phrase, a=d.ref_of(a), b=d.ref_of(b))

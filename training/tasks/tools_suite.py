@@ -54,8 +54,9 @@ DB_VERSION = 2
 SYSTEM_PROMPT = (
     "You are a helpful assistant that answers with tools. sql_query reads the company database: "
     "employees(name, department, salary, city) and products(name, price, stock). calculator does arithmetic. "
-    "If a tool call fails or returns nothing, call it again. If the tools cannot answer, say that you cannot. "
-    "Answer in one short sentence."
+    "If a tool call fails or returns nothing, call it again. Make independent calls together in one turn. "
+    "If a question needs data the tools do not have, say that you cannot; answer general knowledge yourself, "
+    "without a call. Answer in one short sentence."
 )
 
 BASE_TOOLS = ("calculator", "sql_query")
@@ -67,15 +68,19 @@ TEST_FAMILIES = ("aggregate", "unit_conversion", "unseen_service")
 SIZES: dict[str, dict[str, int]] = {
     "train": {"calculator": 66, "sql_lookup": 66, "chain": 52, "cannot": 20, "recovery": 36,
               "service_lookup": 30, "service_search": 18, "service_quote": 18, "service_chain": 18,
-              "service_recovery": 12, "service_decline": 8},
+              "service_recovery": 12, "service_decline": 8, "service_parallel": 16, "service_choice": 16,
+              "no_tool": 24},
     "validation": {"calculator": 7, "sql_lookup": 7, "chain": 7, "cannot": 3, "recovery": 7,
                    "service_lookup": 4, "service_search": 2, "service_quote": 2, "service_chain": 2,
-                   "service_recovery": 2, "service_decline": 1},
+                   "service_recovery": 2, "service_decline": 1, "service_parallel": 2, "service_choice": 2,
+                   "no_tool": 3},
     "test": {"calculator": 6, "sql_lookup": 6, "chain": 6, "cannot": 4, "recovery": 5, "aggregate": 7,
              "unit_conversion": 7, "service_lookup": 3, "service_search": 2, "service_quote": 2, "service_chain": 2,
-             "service_recovery": 2, "service_decline": 1, "unseen_service": 10},
+             "service_recovery": 2, "service_decline": 1, "unseen_service": 10, "service_parallel": 2,
+             "service_choice": 2, "no_tool": 4},
 }
 FAULTED_FAMILIES = ("recovery", "service_recovery")  # every task of these has an injected fault
+DIRECT_FAMILIES = ("no_tool",)  # no offered tool fits: answered without a call
 _ID_PREFIX = {"calculator": "calc", "sql_lookup": "sql", "chain": "chain", "cannot": "cannot", "recovery": "recovery",
               "aggregate": "aggregate", "unit_conversion": "convert", **services.ID_PREFIX}
 
@@ -663,14 +668,21 @@ class _Generator:
         return phrasing.format(v=v), round(convert(v, source, target), 6), plan, TEST_TOOL
 
 
-def _mix(sizes: dict[str, int], count: int, min_faulted: int) -> dict[str, int]:
+def _mix(sizes: dict[str, int], count: int, min_faulted: int, min_direct: int = 0) -> dict[str, int]:
     """``count`` tasks shared among the families in proportion to ``sizes`` (largest remainders), the faulted
-    families' share raised to ``min_faulted`` when it is less."""
-    faulted = {f: n for f, n in sizes.items() if f in FAULTED_FAMILIES}
-    others = {f: n for f, n in sizes.items() if f not in FAULTED_FAMILIES}
-    share = round(count * sum(faulted.values()) / sum(sizes.values())) if faulted else 0
-    n_faulted = min(count, max(share, min_faulted)) if faulted else 0
-    return {**_shares(others, count - n_faulted), **_shares(faulted, n_faulted)}
+    families' share raised to ``min_faulted`` and the direct ones' to ``min_direct`` when it is less."""
+    groups = [(FAULTED_FAMILIES, min_faulted), (DIRECT_FAMILIES, min_direct)]
+    total = sum(sizes.values())
+    counts: dict[str, int] = {}
+    left = count
+    for families, floor in groups:
+        group = {f: n for f, n in sizes.items() if f in families}
+        if group:
+            n = min(left, max(round(count * sum(group.values()) / total), floor))
+            counts.update(_shares(group, n))
+            left -= n
+    grouped = {f for families, _ in groups for f in families}
+    return {**_shares({f: n for f, n in sizes.items() if f not in grouped}, left), **counts}
 
 
 def _shares(weights: dict[str, int], total: int) -> dict[str, int]:
@@ -683,6 +695,10 @@ def _shares(weights: dict[str, int], total: int) -> dict[str, int]:
     return counts
 
 
+def _values(task: Task) -> tuple[Any, ...]:
+    return task.expected if isinstance(task.expected, tuple) else (task.expected,)
+
+
 # -- the suite --------------------------------------------------------------------------------------
 
 
@@ -691,7 +707,9 @@ class ToolsSuite(Suite):
 
     name = "tools"
     system_prompt = SYSTEM_PROMPT
-    version = "3"  # 2: held-out validation and the strict verifier; 3: the service tools
+    # 2: held-out validation and the strict verifier; 3: the service tools; 4: thirty domains, parallel calls, other
+    # domains' tools offered, questions no tool fits
+    version = "4"
 
     def __init__(self, data_dir: str | os.PathLike[str] | None = None, *, seed: int = SEED) -> None:
         self.data_dir = Path(data_dir if data_dir is not None else DEFAULT_DATA_DIR).expanduser()
@@ -719,7 +737,7 @@ class ToolsSuite(Suite):
     def alternatives(self, task: Task) -> tuple[str, ...]:
         # A department or a city: every department and city; a service field: its enum's values. A reply listing
         # them all fails.
-        if not isinstance(task.expected, str):
+        if not isinstance(task.expected, str | tuple) or not all(isinstance(v, str) for v in _values(task)):
             return ()
         return self._generate().alternatives.get(task.id, _VALUES)
 
@@ -753,16 +771,17 @@ class ToolsSuite(Suite):
     def retry_arguments(self, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
         return retry_arguments(name, arguments)
 
-    def draw(self, split: str, count: int, *, seed: int, min_faulted: int = 0) -> list[Task]:
+    def draw(self, split: str, count: int, *, seed: int, min_faulted: int = 0, min_direct: int = 0) -> list[Task]:
         """``count`` fresh tasks from ``split``'s templates (its phrasings, records and tools), drawn with ``seed``
-        in the split's family mix, faulted families raised to ``min_faulted`` tasks in all. Ids are
+        in the split's family mix, faulted families raised to ``min_faulted`` tasks in all and those no offered tool
+        fits to ``min_direct``. Ids are
         ``tools/<split>-draw-<seed>/...``; no prompt is one of the train or validation split's. The suite can
         solve and verify them like its own."""
         self.check_split(split)
         main = self._generate()
         generator = _Generator(self.seed, stream=f"draw:{split}:{seed}")
         generator.seen = {t.prompt for other in SPLITS if other != split for t in main.tasks[other]}
-        tasks = generator.draw(split, _mix(SIZES[split], count, min_faulted), f"{split}-draw-{seed}")
+        tasks = generator.draw(split, _mix(SIZES[split], count, min_faulted, min_direct), f"{split}-draw-{seed}")
         main.plans.update(generator.plans)
         main.alternatives.update(generator.alternatives)
         return tasks

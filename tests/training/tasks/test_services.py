@@ -13,13 +13,12 @@ from tools.context import ToolContext
 from tools.executor import execute
 from tools.settings import ToolsSettings
 from training.tasks import SPLITS, leak_filter
+from training.tasks.domains import DOMAINS, UNSEEN_DOMAINS
 from training.tasks.services import (
     CURRENCIES,
-    DOMAINS,
     EXPRESS_FEE,
     FAMILIES,
     PHRASINGS,
-    UNSEEN_DOMAINS,
     Catalogue,
     ServiceTasks,
     domain_tools,
@@ -46,8 +45,11 @@ def test_every_domain_gives_three_typed_tools() -> None:
         assert lookup.parameters["required"] == [next(iter(lookup.parameters["properties"]))]
         nested = search.parameters["properties"]["filter"]
         assert nested["type"] == "object" and "required" not in nested  # every filter field is optional
-        assert any("enum" in p for p in _properties(nested))
-        assert {p["type"] for p in _properties(search.parameters)} >= {"object", "string", "integer"}
+        values = next(p for p in _properties(nested) if p["type"] == "array")  # any of several enum values
+        assert values["items"]["enum"] and values["minItems"] == 1
+        bound = next(p for p in _properties(nested) if p["type"] == "number")  # a number with a range
+        assert bound["minimum"] == 0 and bound["maximum"] > 0
+        assert {p["type"] for p in _properties(search.parameters)} >= {"object", "array", "number", "integer"}
         options = quote.parameters["properties"]["options"]
         assert "options" not in quote.parameters["required"] and options["properties"]["currency"]["enum"]
         assert options["properties"]["express"]["type"] == "boolean"

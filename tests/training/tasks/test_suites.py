@@ -19,7 +19,7 @@ from tools.executor import execute
 from tools.registry import tool
 from training.tasks import SPLITS, SUITES, Fault, Task, get_suite
 from training.tasks.base import check_final, fault_outcome, numbers_in
-from training.tasks.services import DOMAINS, UNSEEN_DOMAINS
+from training.tasks.domains import DOMAINS, UNSEEN_DOMAINS
 from training.tasks.tools_suite import (
     EMPLOYEES,
     SIZES,
@@ -35,7 +35,7 @@ from training.tasks.tools_suite import (
     held_out_fragments,
 )
 
-DOCUMENTED_SIZES = {"train": 344, "validation": 44, "test": 63}
+DOCUMENTED_SIZES = {"train": 400, "validation": 51, "test": 71}
 
 
 def _seen(suite: ToolsSuite) -> list[Task]:
@@ -163,17 +163,24 @@ def test_every_demonstration_verifies_and_calls_tools_validly(suite: ToolsSuite,
         assert final["role"] == "assistant" and not final.get("tool_calls") and final["content"]
         assert suite.verify(t, final["content"], messages), (t, messages)
         schemas = suite.toolbox(t).schemas()
-        for i, m in enumerate(messages[1:-1], start=1):
-            if m["role"] == "assistant":
-                assert m["content"] == "" and len(m["tool_calls"]) == 1
-                c = m["tool_calls"][0]
-                assert c["type"] == "function" and c["id"] == f"call_{(i + 1) // 2}"
+        i, made = 1, 0
+        while i < len(messages) - 1:  # each turn's calls, then their results in the same order
+            m = messages[i]
+            # Two independent look-ups are made together in the first turn; every other turn makes one call.
+            together = 2 if t.family == "service_parallel" and i == 1 else 1
+            assert m["role"] == "assistant" and m["content"] == "" and len(m["tool_calls"]) == together
+            for j, c in enumerate(m["tool_calls"], start=1):
+                made += 1
+                assert c["type"] == "function" and c["id"] == f"call_{made}"
                 checked = check_call(c["id"], c["function"]["name"], c["function"]["arguments"], schemas)
                 assert checked.valid and not checked.repaired, (t.id, checked.error)
-                assert messages[i + 1] == {"role": "tool", "tool_call_id": c["id"],
-                                           "content": messages[i + 1]["content"]}
+                assert messages[i + j] == {"role": "tool", "tool_call_id": c["id"],
+                                           "content": messages[i + j]["content"]}
+            i += 1 + together
         calls = _calls(messages)
-        if t.family == "cannot":
+        if t.family == "no_tool":
+            assert not calls
+        elif t.family == "cannot":
             assert len(calls) <= 1
         elif t.family == "recovery":
             assert len(calls) >= 2
@@ -303,6 +310,26 @@ def test_verify_strings(suite: ToolsSuite) -> None:
     task = _first(suite, "sql_lookup", kind=str)
     assert suite.verify(task, f"They work in {task.expected.upper()}.", [])
     assert not suite.verify(task, "They work in Atlantis.", [])
+
+
+def test_verify_several_values_and_direct_answers(suite: ToolsSuite) -> None:
+    assert check_final((120, 340), "The fare of A is 120, and of B 340.")
+    assert check_final((120, 340), "B costs 340 and A 120.")
+    assert not check_final((120, 340), "The fare of A is 120.")
+    assert not check_final((1, 2), "It is 1, 2, 3, 4 or 5.")  # a list of guesses
+    terminals = ("north", "south", "central")
+    assert check_final(("south", "north"), "A leaves from south, B from north.", alternatives=terminals)
+    assert not check_final(("south", "south"), "South, or maybe central.", alternatives=terminals)
+    task = next(t for t in suite.tasks("train") if t.family == "no_tool")
+    final = f"That would be {task.expected.word}."
+    answered = [{"role": "user", "content": task.prompt}, {"role": "assistant", "content": final}]
+    assert suite.verify(task, final, answered)
+    assert not suite.verify(task, "The answer is 42.", answered)  # answered without a call, but wrongly
+    assert not suite.verify(task, "I cannot answer that.", answered)
+    called = [answered[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": task.tools[0], "arguments": "{}"}}]},
+              {"role": "tool", "tool_call_id": "c1", "content": "Invalid call"}, answered[1]]
+    assert not suite.verify(task, final, called)  # any call, an invalid one too, fails
 
 
 def test_verify_cannot(suite: ToolsSuite) -> None:
