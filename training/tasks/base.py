@@ -72,9 +72,11 @@ class Fault:
 
 @dataclass(frozen=True)
 class Direct:
-    """The expected value of a task no offered tool fits: an answer given without any call, holding ``word``."""
+    """The expected value of a task no offered tool fits: an answer given without any call, holding ``word`` (or
+    one of ``also``, the same said otherwise: "8" for "eight")."""
 
     word: str
+    also: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -188,7 +190,7 @@ def check_final(expected: Any, final: str | None, prompt: str = "", alternatives
     if is_refusal(final):
         return False
     if isinstance(expected, Direct):
-        return _says(final, expected.word)
+        return any(_says(final, w) for w in (expected.word, *expected.also))
     values = expected if isinstance(expected, tuple) else (expected,)
     for value in values:
         if isinstance(value, bool) or not isinstance(value, int | float | str):

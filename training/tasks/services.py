@@ -280,6 +280,9 @@ DIRECT: dict[str, tuple[tuple[str, str, str], ...]] = {
     ),
 }
 
+# The number words DIRECT's answers hold, and the digits that say the same.
+NUMERALS = {"zero": "0", "seven": "7", "eight": "8", "twenty-four": "24"}
+
 # A task family → the phrasing kinds it draws from, in turn.
 KINDS: dict[str, tuple[str, ...]] = {
     "service_lookup": ("lookup",),
@@ -383,7 +386,8 @@ class ServiceTasks:
         if family == "no_tool":
             question, answer, word = self.rng.choice(DIRECT[split])
             domain = BY_NAME[names[i % len(names)]]
-            return Drawn(question, Direct(word), partial(_say, text=answer), (*domain.tools, "calculator"))
+            expected = Direct(word, (NUMERALS[word],) if word in NUMERALS else ())
+            return Drawn(question, expected, partial(_say, text=answer), (*domain.tools, "calculator"))
         # In turn over the domains; a split may hold no record a "cheapest" question can end on: the next domain.
         for step in range(len(names)):
             catalogue = self.catalogues[names[(i // len(kinds) + step) % len(names)]]

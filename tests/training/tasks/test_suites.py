@@ -326,6 +326,8 @@ def test_verify_several_values_and_direct_answers(suite: ToolsSuite) -> None:
     assert suite.verify(task, final, answered)
     assert not suite.verify(task, "The answer is 42.", answered)  # answered without a call, but wrongly
     assert not suite.verify(task, "I cannot answer that.", answered)
+    legs = next(t for t in suite.draw("test", 100, seed=0, min_direct=15) if "spider" in t.prompt)
+    assert legs.expected.word == "eight" and suite.verify(legs, "A spider has 8 legs.", answered[:1])
     called = [answered[0], {"role": "assistant", "content": "", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": task.tools[0], "arguments": "{}"}}]},
               {"role": "tool", "tool_call_id": "c1", "content": "Invalid call"}, answered[1]]
