@@ -255,6 +255,21 @@ def _feedback_rows(console: Console, trajectory_id: str) -> list[dict[str, Any]]
                                            "WHERE trajectory_id = ? ORDER BY created_at, id", (trajectory_id,))]
 
 
+def test_a_fork_links_to_its_parent_and_the_parent_to_its_forks(world: World, page: Page) -> None:
+    console, parent, fork = world.console, world.ids["fix"], world.ids["steps"]
+    _sql(console, "UPDATE trajectories SET parent_id = ? WHERE id = ?", (parent, fork))
+    try:
+        sign_in(page, console, ADMIN_KEY)
+        page.goto(console.ui(f"/trajectories/{fork}"))
+        assert "forked from" in page.locator("#facts").inner_text()
+        with page.expect_navigation():
+            page.click(f"#facts a:text('{parent}')")
+        assert page.url.endswith(f"/ui/trajectories/{parent}")
+        assert page.locator("#facts").get_by_role("link", name=fork).count() == 1
+    finally:
+        _sql(console, "UPDATE trajectories SET parent_id = NULL WHERE id = ?", (fork,))
+
+
 def test_feedback_from_the_page_is_stored_as_the_api_stores_it(world: World, page: Page) -> None:
     console, run_id = world.console, world.ids["fix"]
     key = console.keys["acme"][1]
