@@ -18,7 +18,6 @@ from gateway.backends.base import Backend
 from replay.records import new_id
 from training.metrics import Episode
 from training.tasks import Suite, Task
-from training.tasks.base import Direct
 
 EPISODE_LIMITS = Limits(max_steps=6, max_consecutive_tool_failures=3, max_repeats=3)
 EPISODE_TIMEOUT = "episode_timeout"  # the termination reason of an episode past its wall-clock limit
@@ -64,10 +63,9 @@ async def run_episode(suite: Suite, task: Task, backend: Backend, *, model: str,
         state = await asyncio.wait_for(loop.run(), timeout_s)
     except TimeoutError:
         log.warning("episode.timeout", task=task.id, run_id=state.run_id, seconds=timeout_s, steps=state.budget.steps)
-    direct = isinstance(task.expected, Direct)
     return Episode(
         task_id=task.id, family=task.family, success=suite.verify(task, state.final, state.messages),
         steps=state.budget.steps, tool_calls=state.tool_calls, invalid_calls=state.invalid_tool_calls,
-        needs_tools=task.family != "cannot" and not direct, faulted=task.fault is not None, status=state.status,
+        needs_tools=task.family != "cannot" and not task.direct, faulted=task.fault is not None, status=state.status,
         termination_reason=state.termination_reason, final=state.final, run_id=state.run_id,
-        unseen_tools=bool(unseen_tools & set(task.tools)), direct=direct)
+        unseen_tools=bool(unseen_tools & set(task.tools)), direct=task.direct)

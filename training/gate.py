@@ -43,7 +43,6 @@ from training.settings import GateSettings
 from training.stats import mean, paired_bootstrap, rate_bounds
 from training.tasks import Suite, Task
 from training.tasks.adversarial import POLICIES
-from training.tasks.base import Direct
 
 TRIVIAL_POLICIES = ("always_refuse", "never_call")  # they answer at once: their outcome is a function of the task
 
@@ -170,8 +169,8 @@ def order_for_looks(tasks: Sequence[Task], first: int, min_faulted: int, min_dir
     ``min_faulted`` faulted ones and ``min_direct`` that no offered tool fits (so the recovery and abstention checks
     can be judged there), every block the families in turn."""
     faulted = _by_family_in_turn([t for t in tasks if t.fault is not None])
-    direct = _by_family_in_turn([t for t in tasks if isinstance(t.expected, Direct)])
-    others = _by_family_in_turn([t for t in tasks if t.fault is None and not isinstance(t.expected, Direct)])
+    direct = _by_family_in_turn([t for t in tasks if t.direct])
+    others = _by_family_in_turn([t for t in tasks if t.fault is None and not t.direct])
     head = faulted[:min_faulted] + direct[:min_direct] + others[:max(0, first - min_faulted - min_direct)]
     chosen = {t.id for t in head}
     return head + _by_family_in_turn([t for t in tasks if t.id not in chosen])
@@ -296,16 +295,12 @@ def _pooled_drop(name: str, pool: list[_Pair], hit: Callable[[Episode], bool], b
     ``hit`` holds for at least ``-margin``, judged only on at least ``minimum`` of them (none at all: skipped)."""
     if not pool:
         return Check(name, None, None, None, None, "lower", -margin, "≥", 0, True, f"no {what}")
-
-    def rate(items: Sequence[_Pair], side: str) -> float:
-        return mean([p.share(side, hit) for p in items])
-
-    reference, candidate = rate(pool, "reference"), rate(pool, "candidate")
+    reference, candidate = _rate(pool, "reference", hit), _rate(pool, "candidate", hit)
     if len(pool) < minimum:
         return Check(name, reference, candidate, candidate - reference, None, "lower", -margin, "≥", len(pool),
                      False, f"{len(pool)} {what}, fewer than the {minimum} required")
-    estimate, lower, upper = paired_bootstrap(pool, lambda items: rate(items, "candidate") - rate(items, "reference"),
-                                              **boot)
+    estimate, lower, upper = paired_bootstrap(
+        pool, lambda items: _rate(items, "candidate", hit) - _rate(items, "reference", hit), **boot)
     return Check(name, reference, candidate, estimate, lower, "lower", -margin, "≥", len(pool), lower >= -margin,
                  opposite=upper)
 
@@ -341,8 +336,9 @@ def _perplexity_rise(candidate: list[Loss], reference: list[Loss], boot: dict[st
                  margin, "≤", len(texts), upper <= margin, opposite=lower)
 
 
-def _rate(pairs: Sequence[_Pair], side: str) -> float:
-    return mean([p.success(side) for p in pairs])
+def _rate(pairs: Sequence[_Pair], side: str, hit: Callable[[Episode], bool] = _succeeded) -> float:
+    """The mean over ``pairs`` of this side's share of samples ``hit`` holds for."""
+    return mean([p.share(side, hit) for p in pairs])
 
 
 def baselines(suite: Suite, tasks: list[Task]) -> dict[str, float]:

@@ -92,6 +92,16 @@ class Task:
     expected: Any
     fault: Fault | None = None
 
+    @property
+    def direct(self) -> bool:
+        """Whether no offered tool fits: the task is answered without a call."""
+        return isinstance(self.expected, Direct)
+
+    @property
+    def values(self) -> tuple[Any, ...]:
+        """The values its answer must state (one, or each of a tuple's)."""
+        return expected_values(self.expected)
+
 
 def fault_outcome(spec: ToolSpec, kind: str) -> ToolOutcome:
     """The outcome an injected fault of ``kind`` gives for a call to ``spec``."""
@@ -191,7 +201,7 @@ def check_final(expected: Any, final: str | None, prompt: str = "", alternatives
         return False
     if isinstance(expected, Direct):
         return any(_says(final, w) for w in (expected.word, *expected.also))
-    values = expected if isinstance(expected, tuple) else (expected,)
+    values = expected_values(expected)
     for value in values:
         if isinstance(value, bool) or not isinstance(value, int | float | str):
             raise TypeError(f"cannot verify an expected value of type {type(value).__name__}")
@@ -204,6 +214,10 @@ def check_final(expected: Any, final: str | None, prompt: str = "", alternatives
     if len(values) == 1 and isinstance(expected, int | float):
         return bool(numbers) and close(numbers[-1], float(expected))
     return all(_says(final, v) if isinstance(v, str) else any(close(n, float(v)) for n in numbers) for v in values)
+
+
+def expected_values(expected: Any) -> tuple[Any, ...]:
+    return expected if isinstance(expected, tuple) else (expected,)
 
 
 def _states_more(numbers: list[float], given: list[float], limit: int) -> bool:
@@ -407,8 +421,7 @@ class Suite(ABC):
     def verify(self, task: Task, final: str | None, messages: list[dict[str, Any]]) -> bool:
         """Whether the episode succeeded, judged on its final answer (see ``check_final``); where no offered tool
         fits, also on making no call (an invalid or refused one included)."""
-        if isinstance(task.expected, Direct) and any(m.get("tool_calls") for m in messages
-                                                     if m.get("role") == "assistant"):
+        if task.direct and any(m.get("tool_calls") for m in messages if m.get("role") == "assistant"):
             return False
         return check_final(task.expected, final, task.prompt, self.alternatives(task))
 

@@ -695,10 +695,6 @@ def _shares(weights: dict[str, int], total: int) -> dict[str, int]:
     return counts
 
 
-def _values(task: Task) -> tuple[Any, ...]:
-    return task.expected if isinstance(task.expected, tuple) else (task.expected,)
-
-
 # -- the suite --------------------------------------------------------------------------------------
 
 
@@ -737,7 +733,7 @@ class ToolsSuite(Suite):
     def alternatives(self, task: Task) -> tuple[str, ...]:
         # A department or a city: every department and city; a service field: its enum's values. A reply listing
         # them all fails.
-        if not isinstance(task.expected, str | tuple) or not all(isinstance(v, str) for v in _values(task)):
+        if not all(isinstance(v, str) for v in task.values):
             return ()
         return self._generate().alternatives.get(task.id, _VALUES)
 
