@@ -109,11 +109,11 @@ async def _episodes_child(count: int, adapter: str | None, cache_mb: int,
     tasks = spread(suite.tasks("validation"), count)
     async with Evaluator(settings, prefix_cache_mb=cache_mb) as evaluator:
         await evaluator.episodes(suite, tasks[:1], adapter)  # warm-up (and the adapter's load)
-        before = _stats(evaluator.backend)
+        before = _stats(await evaluator.started())
         started = time.perf_counter()
         episodes = await evaluator.episodes(suite, tasks, adapter)
         seconds = time.perf_counter() - started
-        after = _stats(evaluator.backend)
+        after = _stats(await evaluator.started())
     with open("/proc/self/status") as fh:
         peak = next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:")) / 1024
     return {"episodes": len(episodes), "seconds": seconds, "steps": sum(e.steps for e in episodes),

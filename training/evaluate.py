@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from gateway.backends.base import ChatRequest, ChatResult
 from gateway.backends.local import LocalBackend
+from gateway.backends.local.heap import release_free_memory
 from gateway.config import BackendSettings
 from training.episodes import RecorderFor, run_episode
 from training.metrics import METRICS, Episode, Loss, format_value, metrics_of, perplexity_of, success_interval
@@ -60,28 +61,46 @@ class _WithAdapter:
 
 
 class Evaluator:
-    """One embedded backend for every evaluation of a process; adapters are loaded into it as needed."""
+    """One embedded backend for every evaluation of a process; adapters are loaded into it as needed.
+
+    The backend starts on first use and ``pause`` closes it (its weights, merged adapters and caches) until the
+    next: training, which runs between evaluations, has the memory to itself."""
 
     def __init__(self, settings: TrainingSettings, *, prefix_cache_mb: int | None = None) -> None:
         """``prefix_cache_mb``: the backend's prefix cache (None: the backends' default; 0: off)."""
         self.settings = settings
         cache = {} if prefix_cache_mb is None else {"prefix_cache_mb": prefix_cache_mb}
-        self.backend = LocalBackend(BackendSettings(
+        self._backend_settings = BackendSettings(
             name="eval", kind="local", models=[settings.base_model], model_path=settings.model_path,
             max_batch_size=max(settings.eval_concurrency, 1),
             merge_lone_adapter=settings.eval_merge_adapter,
-            map_large_allocations=settings.map_large_allocations, **cache))
-        self._started = False
+            map_large_allocations=settings.map_large_allocations, **cache)
+        self.backend: LocalBackend | None = None
         self._adapters: dict[str, str] = {}  # folder -> the name it is loaded under
         self._loads = 0
 
     async def __aenter__(self) -> Evaluator:
-        await self.backend.start()
-        self._started = True
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.backend.aclose()
+        await self.pause()
+
+    async def started(self) -> LocalBackend:
+        """The backend, started if it is not."""
+        if self.backend is None:
+            backend = LocalBackend(self._backend_settings)
+            await backend.start()
+            self.backend = backend
+        return self.backend
+
+    async def pause(self) -> None:
+        """Close the backend until the next evaluation, and give what it held back to the system."""
+        if self.backend is None:
+            return
+        backend, self.backend, self._adapters = self.backend, None, {}
+        await backend.aclose()
+        del backend
+        release_free_memory()
 
     async def _adapter_name(self, adapter: str | Path | None) -> str | None:
         if adapter is None:
@@ -90,21 +109,22 @@ class Evaluator:
         if folder not in self._adapters:
             self._loads += 1
             name = f"eval-{self._loads}"
-            await self.backend.load_adapter(name, folder)
+            await (await self.started()).load_adapter(name, folder)
             self._adapters[folder] = name
         return self._adapters[folder]
 
     async def release(self, adapter: str | Path) -> None:
         """Unload an adapter folder's weights (a folder rewritten since, or not needed again)."""
         name = self._adapters.pop(str(Path(adapter).resolve()), None)
-        if name is not None:
+        if name is not None and self.backend is not None:
             await self.backend.unload_adapter(name)
 
     async def episodes(self, suite: Suite, tasks: list[Task], adapter: str | Path | None = None, *,
                        recorder_for: RecorderFor | None = None, temperature: float = 0.0,
                        progress: str | None = None) -> list[Episode]:
         """Run every task once; with ``recorder_for`` each episode is also recorded (e.g. into the store)."""
-        backend = _WithAdapter(self.backend, await self._adapter_name(adapter))
+        engine = await self.started()
+        backend = _WithAdapter(engine, await self._adapter_name(adapter))
         unseen = frozenset(test_only_markers(suite)["tools"])
         gate = asyncio.Semaphore(self.settings.eval_concurrency)
         bar = tqdm(total=len(tasks), desc=progress, unit="ep", disable=progress is None, leave=False)
@@ -115,7 +135,7 @@ class Evaluator:
                                             max_tokens=self.settings.eval_max_tokens, temperature=temperature,
                                             constrain_tool_calls=self.settings.constrain_tool_calls,
                                             unseen_tools=unseen, recorder_for=recorder_for,
-                                            token_counter=self.backend.count_tokens,
+                                            token_counter=engine.count_tokens,
                                             timeout_s=self.settings.episode_timeout_seconds or None)
             bar.update()
             return episode

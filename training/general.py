@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from gateway.backends.local.heap import release_free_memory
 from gateway.backends.local.loading import load_model
 from training import batches, data, general_data
 from training.settings import TrainingSettings
@@ -33,11 +34,19 @@ class GeneralCheck:
             return
         loaded = load_model(self.settings.model_path)
         self._model, self._tokenizer = loaded.model, loaded.tokenizer
+        if self._train is not None:  # loaded again after release: the data is still here
+            return
         conversations = (general_data.load_conversations(self.settings.general_data) if self.settings.general_data
                          else general_data.general_conversations(self._model, self._tokenizer))
         train, held_out = general_data.split_general(conversations, seed=self.settings.seed)
         self._train = train
         self._held_out = general_data.general_examples(self._tokenizer, held_out, self.settings.max_seq_len)
+
+    def release(self) -> None:
+        """Drop the base weights until the next use (the data stays): training has the memory meanwhile."""
+        with self._lock:
+            self._model = None
+        release_free_memory()
 
     def training_rows(self) -> list[data.Example]:
         """The general rows training may mix in (never the held-out ones), built once for SFT and every

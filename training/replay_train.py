@@ -47,6 +47,7 @@ import orjson
 from rich.console import Console
 
 from gateway.adapters import archive
+from gateway.backends.local.heap import release_free_memory
 from gateway.backends.local.loading import load_tokenizer
 from gateway.config import ServerSettings
 from replay.adapters import AdapterRegistry, AdapterVersion
@@ -266,8 +267,13 @@ async def _sft(settings: HarnessSettings, filters: Filters, suite: Suite, gate_t
                    f"{stats.excluded} dropped for test-split material), general share {training.general_share:.0%}",
           rows=len(rows))
 
+    # Training has the memory to itself: the general check's and the evaluator's copies of the base come back
+    # when next used.
+    general.release()
+    await evaluator.pause()
     result = await asyncio.to_thread(train_sft, training.model_path, rows, SFTConfig.from_settings(training), out)
-    result.model = None  # the evaluator has its own copy of the base; free the training one
+    result.model = None
+    release_free_memory()
     stage("sft", f"{len(result.checkpoints)} checkpoints, {result.tokens:,} tokens in {result.seconds:.0f} s "
                    f"({result.tokens_per_second:,.0f} tokens/s)", tokens=result.tokens)
     if len(result.checkpoints) == 1 and not training.expert.rounds and not training.correction.rounds:

@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from gateway.backends.local.heap import release_free_memory
 from training import data
 from training.evaluate import Evaluator
 from training.metrics import rank
@@ -26,11 +27,13 @@ async def train_round(training: TrainingSettings, suite: Suite, evaluator: Evalu
     replayed = rng.sample(demonstrations, min(len(demonstrations), round(replay * len(rows))))
     mixed = data.mix(rows + replayed, general_rows, min_recovered_share=0.0, general_share=training.general_share,
                      seed=seed)
+    await evaluator.pause()
     result = await asyncio.to_thread(
         train_sft, training.model_path, mixed,
         SFTConfig.from_settings(training, epochs=epochs, learning_rate=learning_rate, checkpoints=1), out,
         init_adapter=current)
     result.model = None
+    release_free_memory()
     checkpoint = result.checkpoints[-1]
     report = await evaluator.evaluate(suite.name, "validation", checkpoint, label=label)
     better = rank(report.metrics) > rank(current_metrics)

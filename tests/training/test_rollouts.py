@@ -134,7 +134,7 @@ def test_rollouts_are_recorded_grouped_scored_and_carry_the_policys_own_logprobs
             async with Evaluator(settings.training) as evaluator:
                 rollouts = Rollouts(settings, evaluator, store, run="test-run")
                 groups = await rollouts.collect(1, policy)
-                assert not await evaluator.backend.loaded_adapters()  # released for the trainer to rewrite
+                assert not await (await evaluator.started()).loaded_adapters()  # released for the trainer to rewrite
                 return groups
         finally:
             await store.close()

@@ -34,6 +34,7 @@ from tools.context import ToolContext
 from tools.spec import ToolSpec
 from training.tasks.base import FAULT_KINDS, Demonstration, Direct, Fault, Plan, format_number
 from training.tasks.domains import BY_NAME, DOMAINS, SEEN_DOMAINS, UNSEEN_DOMAINS, Domain
+from training.tasks.questions import DIRECT, NUMERALS
 
 CURRENCIES = {"EUR": 1.0, "USD": 1.1, "GBP": 0.85}  # a quote's total in each, from its price in EUR
 EXPRESS_FEE = 15  # EUR added to a quote with express service
@@ -215,74 +216,6 @@ PHRASINGS: dict[str, dict[str, tuple[str, ...]]] = {
         "test": ("Which {field} goes with the lowest-costing {entity} among those with {category} {value}?",),
     },
 }
-# Questions no service tool fits, with the answer a perfect agent gives without a call and the word that answer must
-# hold: general knowledge and language. (Questions that need live data no tool has, like the weather, are the
-# ``cannot`` family's: declined.)
-DIRECT: dict[str, tuple[tuple[str, str, str], ...]] = {
-    "train": (
-        ("What is the capital of France?", "The capital of France is Paris.", "Paris"),
-        ("How many days are there in a week?", "A week has seven days.", "seven"),
-        ("Say 'good morning' in Spanish.", "In Spanish, good morning is 'buenos días'.", "buenos"),
-        ("What colour do you get by mixing blue and yellow?", "Mixing blue and yellow gives green.", "green"),
-        ("What is the opposite of 'ancient'?", "The opposite of 'ancient' is 'modern'.", "modern"),
-        ("Which planet is closest to the sun?", "Mercury is the planet closest to the sun.", "Mercury"),
-        ("What do bees make?", "Bees make honey.", "honey"),
-        ("What is the plural of 'mouse'?", "The plural of 'mouse' is 'mice'.", "mice"),
-        ("In which season do leaves fall from the trees?", "Leaves fall from the trees in autumn.", "autumn"),
-        ("What language is spoken in Mexico?", "The main language of Mexico is Spanish.", "Spanish"),
-        ("What is water made of?", "Water is made of hydrogen and oxygen.", "hydrogen"),
-        ("Tell me a word that rhymes with 'cat'.", "'Hat' rhymes with 'cat'.", "hat"),
-        ("Which animal is known as the king of the jungle?", "The lion is known as the king of the jungle.",
-         "lion"),
-        ("How do you say 'thank you' in French?", "In French, thank you is 'merci'.", "merci"),
-        ("What is the largest ocean on Earth?", "The Pacific is the largest ocean on Earth.", "Pacific"),
-        ("What is the freezing point of water in Celsius?", "Water freezes at zero degrees Celsius.", "zero"),
-        ("Name a fruit that is yellow.", "A banana is a yellow fruit.", "banana"),
-        ("What is the main ingredient of guacamole?", "The main ingredient of guacamole is avocado.", "avocado"),
-        ("Who wrote 'Romeo and Juliet'?", "'Romeo and Juliet' was written by William Shakespeare.", "Shakespeare"),
-        ("What is a baby dog called?", "A baby dog is called a puppy.", "puppy"),
-        ("What do you call a shape with three sides?", "A shape with three sides is a triangle.", "triangle"),
-        ("What colour is the sky on a clear day?", "On a clear day the sky is blue.", "blue"),
-        ("What is the past tense of 'run'?", "The past tense of 'run' is 'ran'.", "ran"),
-        ("Which organ pumps blood around the body?", "The heart pumps blood around the body.", "heart"),
-        ("How many hours are there in a day?", "A day has twenty-four hours.", "twenty-four"),
-        ("What is the capital of Germany?", "The capital of Germany is Berlin.", "Berlin"),
-        ("Which animal gives us wool?", "Sheep give us wool.", "sheep"),
-        ("What is the opposite of 'cold'?", "The opposite of 'cold' is 'hot'.", "hot"),
-    ),
-    "validation": (
-        ("What is the capital of Italy?", "The capital of Italy is Rome.", "Rome"),
-        ("What gas do plants take in from the air?", "Plants take in carbon dioxide from the air.", "carbon"),
-        ("Which is the longest river in Africa?", "The Nile is the longest river in Africa.", "Nile"),
-        ("What is the singular of 'geese'?", "The singular of 'geese' is 'goose'.", "goose"),
-        ("What is a young cat called?", "A young cat is called a kitten.", "kitten"),
-    ),
-    "test": (
-        ("Which continent is Egypt in?", "Egypt is in Africa.", "Africa"),
-        ("What is the past tense of 'swim'?", "The past tense of 'swim' is 'swam'.", "swam"),
-        ("Which instrument has black and white keys?", "The piano has black and white keys.", "piano"),
-        ("What is the tallest animal in the world?", "The giraffe is the tallest animal in the world.", "giraffe"),
-        ("How many legs does a spider have?", "A spider has eight legs.", "eight"),
-        ("What is the capital of Canada?", "The capital of Canada is Ottawa.", "Ottawa"),
-        ("What is the opposite of 'generous'?", "The opposite of 'generous' is 'stingy'.", "stingy"),
-        ("Which bird is a symbol of peace?", "The dove is a symbol of peace.", "dove"),
-        ("How do you say 'hello' in Italian?", "In Italian, hello is 'ciao'.", "ciao"),
-        ("What do caterpillars turn into?", "Caterpillars turn into butterflies.", "butterflies"),
-        ("Which metal is liquid at room temperature?", "Mercury is the metal that is liquid at room temperature.",
-         "Mercury"),
-        ("Name a vegetable that is orange.", "A carrot is an orange vegetable.", "carrot"),
-        ("What is the name of our galaxy?", "Our galaxy is the Milky Way.", "Milky Way"),
-        ("Give me a synonym for 'quick'.", "A synonym for 'quick' is 'fast'.", "fast"),
-        ("What is frozen water called?", "Frozen water is called ice.", "ice"),
-        ("Which planet is known as the red planet?", "Mars is known as the red planet.", "Mars"),
-        ("What is the capital of Spain?", "The capital of Spain is Madrid.", "Madrid"),
-        ("What is the opposite of 'early'?", "The opposite of 'early' is 'late'.", "late"),
-    ),
-}
-
-# The number words DIRECT's answers hold, and the digits that say the same.
-NUMERALS = {"zero": "0", "seven": "7", "eight": "8", "twenty-four": "24"}
-
 # A task family → the phrasing kinds it draws from, in turn.
 KINDS: dict[str, tuple[str, ...]] = {
     "service_lookup": ("lookup",),

@@ -69,7 +69,7 @@ SIZES: dict[str, dict[str, int]] = {
     "train": {"calculator": 66, "sql_lookup": 66, "chain": 52, "cannot": 20, "recovery": 36,
               "service_lookup": 30, "service_search": 18, "service_quote": 18, "service_chain": 18,
               "service_recovery": 12, "service_decline": 8, "service_parallel": 16, "service_choice": 16,
-              "no_tool": 24},
+              "no_tool": 48},
     "validation": {"calculator": 7, "sql_lookup": 7, "chain": 7, "cannot": 3, "recovery": 7,
                    "service_lookup": 4, "service_search": 2, "service_quote": 2, "service_chain": 2,
                    "service_recovery": 2, "service_decline": 1, "service_parallel": 2, "service_choice": 2,
@@ -705,7 +705,7 @@ class ToolsSuite(Suite):
     system_prompt = SYSTEM_PROMPT
     # 2: held-out validation and the strict verifier; 3: the service tools; 4: thirty domains, parallel calls, other
     # domains' tools offered, questions no tool fits
-    version = "4"
+    version = "5"
 
     def __init__(self, data_dir: str | os.PathLike[str] | None = None, *, seed: int = SEED) -> None:
         self.data_dir = Path(data_dir if data_dir is not None else DEFAULT_DATA_DIR).expanduser()

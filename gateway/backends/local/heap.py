@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import platform
 
 import structlog
@@ -30,3 +31,13 @@ def map_large_allocations() -> bool:
     if not done:
         log.warning("local.mallopt_failed", parameter="M_MMAP_THRESHOLD", value=THRESHOLD)
     return done
+
+
+def release_free_memory() -> bool:
+    """Collect garbage and hand the heap's free pages back to the system (glibc's ``malloc_trim``): after a phase
+    whose tensors are gone (training, an evaluation's engine) the heap keeps its high-water mark otherwise, and the
+    next phase's peak adds to it. Whether it could (not glibc: only the collection)."""
+    gc.collect()
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    return bool(ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0))
