@@ -47,7 +47,6 @@ import orjson
 from rich.console import Console
 
 from gateway.adapters import archive
-from gateway.backends.local.heap import release_free_memory
 from gateway.backends.local.loading import load_tokenizer
 from gateway.config import ServerSettings
 from replay.adapters import AdapterRegistry, AdapterVersion
@@ -67,9 +66,10 @@ from training.metrics import rank
 from training.references import ReferenceCache
 from training.rl import RLConfig, train_rl
 from training.rollouts import Rollouts, groups_from_store
+from training.rounds import train_apart
 from training.run_record import RunRecord
 from training.settings import CorrectionSettings, HarnessSettings
-from training.sft import SFTConfig, load_base, train_sft
+from training.sft import SFTConfig, load_base
 from training.stages import Stages
 from training.tasks import Suite, Task, get_suite, leak_filter
 from training.teacher import ServedTeacher, SolverTeacher, Teacher
@@ -267,13 +267,8 @@ async def _sft(settings: HarnessSettings, filters: Filters, suite: Suite, gate_t
                    f"{stats.excluded} dropped for test-split material), general share {training.general_share:.0%}",
           rows=len(rows))
 
-    # Training has the memory to itself: the general check's and the evaluator's copies of the base come back
-    # when next used.
-    general.release()
-    await evaluator.pause()
-    result = await asyncio.to_thread(train_sft, training.model_path, rows, SFTConfig.from_settings(training), out)
-    result.model = None
-    release_free_memory()
+    general.release()  # its copy of the base comes back when the gate next asks
+    result = await train_apart(evaluator, training.model_path, rows, SFTConfig.from_settings(training), out)
     stage("sft", f"{len(result.checkpoints)} checkpoints, {result.tokens:,} tokens in {result.seconds:.0f} s "
                    f"({result.tokens_per_second:,.0f} tokens/s)", tokens=result.tokens)
     if len(result.checkpoints) == 1 and not training.expert.rounds and not training.correction.rounds:

@@ -14,8 +14,19 @@ from training import data
 from training.evaluate import Evaluator
 from training.metrics import rank
 from training.settings import TrainingSettings
-from training.sft import SFTConfig, train_sft
+from training.sft import SFTConfig, SFTResult, train_sft
 from training.tasks import Suite
+
+
+async def train_apart(evaluator: Evaluator, model_path: str | None, rows: list[data.Example], config: SFTConfig,
+                      out: Path, *, init_adapter: Path | None = None) -> SFTResult:
+    """``train_sft`` off the event loop with the memory to itself: the evaluator's backend closed first (it starts
+    again on the next evaluation), the trained model dropped and the heap's free pages returned after."""
+    await evaluator.pause()
+    result = await asyncio.to_thread(train_sft, model_path, rows, config, out, init_adapter=init_adapter)
+    result.model = None
+    release_free_memory()
+    return result
 
 
 async def train_round(training: TrainingSettings, suite: Suite, evaluator: Evaluator, rows: list[data.Example], *,
@@ -27,13 +38,8 @@ async def train_round(training: TrainingSettings, suite: Suite, evaluator: Evalu
     replayed = rng.sample(demonstrations, min(len(demonstrations), round(replay * len(rows))))
     mixed = data.mix(rows + replayed, general_rows, min_recovered_share=0.0, general_share=training.general_share,
                      seed=seed)
-    await evaluator.pause()
-    result = await asyncio.to_thread(
-        train_sft, training.model_path, mixed,
-        SFTConfig.from_settings(training, epochs=epochs, learning_rate=learning_rate, checkpoints=1), out,
-        init_adapter=current)
-    result.model = None
-    release_free_memory()
+    result = await train_apart(evaluator, training.model_path, mixed, SFTConfig.from_settings(
+        training, epochs=epochs, learning_rate=learning_rate, checkpoints=1), out, init_adapter=current)
     checkpoint = result.checkpoints[-1]
     report = await evaluator.evaluate(suite.name, "validation", checkpoint, label=label)
     better = rank(report.metrics) > rank(current_metrics)

@@ -22,11 +22,18 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 THRESHOLD = 1 << 20
 
 
+def _glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc (the tuning calls below are glibc's), else None."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    return ctypes.CDLL(ctypes.util.find_library("c"))
+
+
 def map_large_allocations() -> bool:
     """Have glibc map every allocation from ``THRESHOLD`` bytes on; whether it could (not glibc: nothing changes)."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    libc = _glibc()
+    if libc is None:
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
     done = bool(libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD))
     if not done:
         log.warning("local.mallopt_failed", parameter="M_MMAP_THRESHOLD", value=THRESHOLD)
@@ -38,6 +45,5 @@ def release_free_memory() -> bool:
     whose tensors are gone (training, an evaluation's engine) the heap keeps its high-water mark otherwise, and the
     next phase's peak adds to it. Whether it could (not glibc: only the collection)."""
     gc.collect()
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    return bool(ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0))
+    libc = _glibc()
+    return libc is not None and bool(libc.malloc_trim(0))
