@@ -116,6 +116,11 @@ class BackendSettings(Section):
     batch_wait_ms: float = Field(5.0, ge=0, description="local: how long to gather a batch.")
     prefix_cache_mb: int = Field(256, ge=0, description="local: memory for keys and values kept across requests, "
                                  "so a prompt that starts like an earlier one prefills only the rest (0: off).")
+    batch_cache_mb: int = Field(0, ge=0, description="local: memory for the running batch's keys and values, "
+                                "padding included (rows times the longest row: one long conversation makes every "
+                                "row as long); a request that would take the batch past it waits for rows to "
+                                "finish, and one alone always runs. Checked as a request joins (the batch then "
+                                "grows a position a step). 0: no limit beyond max_batch_size.")
     threads: int | None = Field(None, gt=0, description="local: torch threads (default: all cores).")
     merge_lone_adapter: bool = Field(False, description="local: while every row of a batch runs one adapter, run "
                                      "it merged into the base weights (a step as fast as the base model's), "

@@ -74,7 +74,8 @@ class Evaluator:
             name="eval", kind="local", models=[settings.base_model], model_path=settings.model_path,
             max_batch_size=max(settings.eval_concurrency, 1),
             merge_lone_adapter=settings.eval_merge_adapter,
-            map_large_allocations=settings.map_large_allocations, **cache)
+            map_large_allocations=settings.eval_map_large_allocations,
+            batch_cache_mb=settings.eval_batch_cache_mb, **cache)
         self.backend: LocalBackend | None = None
         self._adapters: dict[str, str] = {}  # folder -> the name it is loaded under
         self._loads = 0

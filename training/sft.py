@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from gateway.backends.local.adapters import write_rendering
-from gateway.backends.local.heap import map_large_allocations
+from gateway.backends.local.heap import keep_allocations_in_heap, map_large_allocations
 from gateway.backends.local.loading import LoadedModel, load_model
 from gateway.prompting import Rendering
 from training.batches import Batch, label_logits, pad_batch
@@ -197,11 +197,14 @@ def lora_policy(model: torch.nn.Module, config: SFTConfig, init_adapter: Path | 
 def train_mode(model: torch.nn.Module, config: SFTConfig) -> None:
     """Training mode; with ``gradient_checkpointing`` each decoder layer keeps only its input for the backward pass
     (the activations of a batch of long rows are most of the memory training takes)."""
+    # Activations come and go in blocks of a few MiB: mapped, they go back to the system when freed, where in the
+    # heap they stay (measured: 4 rows of 512 tokens peaked at 4.6 GB so, 7.7 GB in the heap), for a third more time
+    # per step on CPU, most of it page faults. Set either way: an evaluation's engine earlier in the same process
+    # maps them (heap.py).
     if config.map_large_allocations:
-        # Activations come and go in blocks of a few MiB: mapped, they go back to the system when freed, where in
-        # the heap they stay (measured: 4 rows of 512 tokens peaked at 4.6 GB so, 7.7 GB in the heap), for a third
-        # more time per step on CPU, most of it page faults.
         map_large_allocations()
+    else:
+        keep_allocations_in_heap()
     model.train()
     if config.gradient_checkpointing:
         # Non-reentrant: gradients reach the LoRA weights although the frozen embeddings' outputs need none.

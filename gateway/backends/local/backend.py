@@ -111,6 +111,7 @@ class LocalBackend:
         budget = self._settings.prefix_cache_mb * 2**20
         self._engine = Engine(self._loaded, self._settings.max_batch_size, PrefixCache(budget) if budget else None,
                               map_large=self._settings.map_large_allocations,
+                              batch_cache_bytes=self._settings.batch_cache_mb * 2**20,
                               merge_lone_adapter=self._settings.merge_lone_adapter)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-engine")
         self._scheduler = asyncio.create_task(self._schedule(self._engine), name=f"{self.name}-scheduler")

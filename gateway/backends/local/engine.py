@@ -36,7 +36,7 @@ from gateway.backends.local.adapters import Adapter, LoraModel
 from gateway.backends.local.grammar import Constraint, Masks, tokenizer_for
 from gateway.backends.local.heap import map_large_allocations
 from gateway.backends.local.jobs import Failure, Finish, Job, JobEvent, Op, Token
-from gateway.backends.local.kv import ATTENTION, BatchCache, capacity, zeros
+from gateway.backends.local.kv import ATTENTION, BatchCache, capacity, position_bytes, zeros
 from gateway.backends.local.loading import LoadedModel
 from gateway.backends.local.prefix_cache import Key, Layers, Prefix, PrefixCache
 from gateway.backends.local.sampling import Choice, choose, generators, shape_logits
@@ -77,9 +77,11 @@ class Engine:
     the owner's thread only while ``run`` is not running."""
 
     def __init__(self, loaded: LoadedModel, max_batch_size: int, prefix: PrefixCache | None = None, *,
-                 map_large: bool = True, merge_lone_adapter: bool = False) -> None:
+                 map_large: bool = True, merge_lone_adapter: bool = False, batch_cache_bytes: int = 0) -> None:
         """``map_large``: have glibc map large allocations (``heap.py``), for the whole process;
-        ``merge_lone_adapter``: run a batch of one adapter's rows with its weights merged (``LoraModel``)."""
+        ``merge_lone_adapter``: run a batch of one adapter's rows with its weights merged (``LoraModel``);
+        ``batch_cache_bytes``: most the batch's keys and values may take, padding included, as a job joins (0: no
+        limit)."""
         self.base_model = loaded.model
         loaded.model.set_attn_implementation(ATTENTION)
         if map_large:
@@ -91,6 +93,8 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.context_length = loaded.context_length
         self.max_batch_size = max_batch_size
+        self.batch_cache_positions = batch_cache_bytes // position_bytes(loaded.model.config, loaded.model.dtype) \
+            if batch_cache_bytes else 0
         self.stop_token_ids = loaded.stop_token_ids
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.prefix = prefix  # keys and values kept across requests; None: every prompt is prefilled whole
@@ -221,6 +225,8 @@ class Engine:
 
     def _admit(self) -> None:
         room = self.max_batch_size - len(self._rows)
+        # The batch is as wide as its longest row, so a row's keys and values cost that width, not its own length.
+        rows, width = len(self._rows), self._mask.shape[1] if self._mask is not None else 0
         jobs: list[Job] = []
         while self.inbox:
             job = self.inbox[0]
@@ -234,10 +240,13 @@ class Engine:
                     f"adapter {job.adapter.name!r} is not loaded", adapter=job.adapter.name))])
                 continue
             # A job wider than the whole batch still runs, alone, rather than never.
-            if job.params.n > room and (jobs or self._rows):
+            wider = max(width, len(job.prompt_ids))
+            if (jobs or self._rows) and (job.params.n > room or self.batch_cache_positions
+                                         and (rows + job.params.n) * wider > self.batch_cache_positions):
                 break
             jobs.append(self.inbox.popleft())
             room -= job.params.n
+            rows, width = rows + job.params.n, wider
         if jobs:
             self._admitting = jobs  # out of the inbox, not yet rows: a failure must still reach them
             self._prefill(jobs)

@@ -5,6 +5,8 @@ a mapped block is freed; so a prefill's activations, each a few MiB, end up in t
 long-lived objects between the freed blocks, cannot shrink: measured, 520 MiB of it lay free at the peak of eight
 agent episodes, a quarter of the process. With a fixed threshold of 1 MiB, blocks that large are mapped and go back to
 the system when freed; a mapping costs page faults when first written, a few percent of an episode's time.
+Training goes the other way (its blocks are larger and come back every step, so the page faults cost it a third of
+its speed), and as the setting is the process's, a phase sets the mode it wants when it starts.
 """
 
 from __future__ import annotations
@@ -18,8 +20,13 @@ import structlog
 
 log = structlog.get_logger()
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
+M_MMAP_THRESHOLD = -3
 THRESHOLD = 1 << 20
+# glibc's own ceiling for the threshold it raises by itself on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX), and the trim
+# threshold it pairs with it (twice that): where a long-running heap ends up untuned.
+HEAP_THRESHOLD = 32 << 20
+HEAP_TRIM_THRESHOLD = 2 * HEAP_THRESHOLD
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -29,15 +36,40 @@ def _glibc() -> ctypes.CDLL | None:
     return ctypes.CDLL(ctypes.util.find_library("c"))
 
 
-def map_large_allocations() -> bool:
-    """Have glibc map every allocation from ``THRESHOLD`` bytes on; whether it could (not glibc: nothing changes)."""
+def _mallopt(**values: int) -> bool:
     libc = _glibc()
     if libc is None:
         return False
-    done = bool(libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD))
-    if not done:
-        log.warning("local.mallopt_failed", parameter="M_MMAP_THRESHOLD", value=THRESHOLD)
+    codes = {"M_MMAP_THRESHOLD": M_MMAP_THRESHOLD, "M_TRIM_THRESHOLD": M_TRIM_THRESHOLD}
+    done = True
+    for parameter, value in values.items():
+        if not libc.mallopt(codes[parameter], value):
+            log.warning("local.mallopt_failed", parameter=parameter, value=value)
+            done = False
     return done
+
+
+_mapping = False  # whether map_large_allocations is in force
+
+
+def map_large_allocations() -> bool:
+    """Have glibc map every allocation from ``THRESHOLD`` bytes on; whether it could (not glibc: nothing changes)."""
+    global _mapping
+    _mapping = _mallopt(M_MMAP_THRESHOLD=THRESHOLD) or _mapping
+    return _mapping
+
+
+def keep_allocations_in_heap() -> bool:
+    """Undo ``map_large_allocations``: blocks below ``HEAP_THRESHOLD`` come from the heap again, which is kept
+    unless ``HEAP_TRIM_THRESHOLD`` of it lies free at its top (glibc does not go back to raising the threshold by
+    itself once it was set, so this sets where that would have led); where nothing had mapped, glibc is left as it
+    is. Whether large blocks now come from the heap (not glibc: nothing changes, False)."""
+    global _mapping
+    if _glibc() is None:
+        return False
+    if _mapping and _mallopt(M_MMAP_THRESHOLD=HEAP_THRESHOLD, M_TRIM_THRESHOLD=HEAP_TRIM_THRESHOLD):
+        _mapping = False
+    return not _mapping
 
 
 def release_free_memory() -> bool:

@@ -38,6 +38,13 @@ def capacity(length: int) -> int:
     return (length // BLOCK + 1) * BLOCK
 
 
+def position_bytes(config: Any, dtype: torch.dtype) -> int:
+    """What one position of one row takes in the cache: its keys and values in every layer."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * dtype.itemsize
+
+
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """A tensor of zeros; in host memory from ``MAPPED`` bytes on, in memory mapped for it alone, which starts as
     zeros without being written, takes pages only as they are written (the room a buffer keeps costs nothing until

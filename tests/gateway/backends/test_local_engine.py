@@ -18,6 +18,7 @@ import torch
 from gateway.backends.local import engine as engine_module
 from gateway.backends.local.engine import Engine
 from gateway.backends.local.jobs import Failure, Finish, Job, JobEvent, Token
+from gateway.backends.local.kv import position_bytes
 from gateway.backends.local.loading import LoadedModel, load_model
 from gateway.backends.local.sampling import SamplingParams
 
@@ -158,3 +159,35 @@ def test_the_engine_imports_no_asyncio() -> None:
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     assert not {name for name in imported if name.split(".")[0] == "asyncio"}
+
+
+def test_a_batch_cache_budget_holds_back_rows_that_would_be_padded_past_it(loaded: LoadedModel) -> None:
+    long_text, short_text = "a prompt a good deal longer than the others, " * 4, "short"
+    width = len(loaded.tokenizer.encode(long_text))
+    per_position = position_bytes(loaded.model.config, loaded.model.dtype)
+    alone = {}
+    for text in (long_text, short_text):
+        alone[text] = _Inbox()
+        _run(Engine(loaded, max_batch_size=8), _job(loaded, text, alone[text], max_tokens=6, **GREEDY))
+
+    # Room for two rows as wide as the long prompt, not three: the second short prompt, padded to the long one's
+    # width, would pass it, so it waits for a row to finish.
+    engine = Engine(loaded, max_batch_size=8, batch_cache_bytes=(3 * width - 1) * per_position)
+    inboxes = [_Inbox(), _Inbox(), _Inbox()]
+    for text, inbox in zip((long_text, short_text, short_text), inboxes, strict=True):
+        engine.submit(_job(loaded, text, inbox, max_tokens=6, **GREEDY))
+    engine._admit()
+    assert len(engine._rows) == 2 and len(engine.inbox) == 1
+    _run(engine)
+    assert [inbox.tokens for inbox in inboxes] == [alone[long_text].tokens] + [alone[short_text].tokens] * 2
+    assert all(inbox.finishes == [Finish(0, "length")] for inbox in inboxes)
+
+    # Without the budget all three join at once; and a job past the budget on its own still runs, alone.
+    unlimited = Engine(loaded, max_batch_size=8)
+    for text in (long_text, short_text, short_text):
+        unlimited.submit(_job(loaded, text, _Inbox(), max_tokens=6, **GREEDY))
+    unlimited._admit()
+    assert len(unlimited._rows) == 3
+    tight, lone = Engine(loaded, max_batch_size=8, batch_cache_bytes=per_position), _Inbox()
+    _run(tight, _job(loaded, long_text, lone, max_tokens=6, **GREEDY))
+    assert lone.tokens == alone[long_text].tokens
