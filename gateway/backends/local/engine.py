@@ -224,7 +224,6 @@ class Engine:
     # -- admission -------------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        room = self.max_batch_size - len(self._rows)
         # The batch is as wide as its longest row, so a row's keys and values cost that width, not its own length.
         rows, width = len(self._rows), self._mask.shape[1] if self._mask is not None else 0
         jobs: list[Job] = []
@@ -241,12 +240,12 @@ class Engine:
                 continue
             # A job wider than the whole batch still runs, alone, rather than never.
             wider = max(width, len(job.prompt_ids))
-            if (jobs or self._rows) and (job.params.n > room or self.batch_cache_positions
-                                         and (rows + job.params.n) * wider > self.batch_cache_positions):
+            more = rows + job.params.n
+            if (jobs or self._rows) and (more > self.max_batch_size or self.batch_cache_positions
+                                         and more * wider > self.batch_cache_positions):
                 break
             jobs.append(self.inbox.popleft())
-            room -= job.params.n
-            rows, width = rows + job.params.n, wider
+            rows, width = more, wider
         if jobs:
             self._admitting = jobs  # out of the inbox, not yet rows: a failure must still reach them
             self._prefill(jobs)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import platform
 
@@ -20,8 +21,7 @@ import structlog
 
 log = structlog.get_logger()
 
-M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
-M_MMAP_THRESHOLD = -3
+MALLOPT = {"M_TRIM_THRESHOLD": -1, "M_MMAP_THRESHOLD": -3}  # glibc's mallopt parameters (malloc.h)
 THRESHOLD = 1 << 20
 # glibc's own ceiling for the threshold it raises by itself on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX), and the trim
 # threshold it pairs with it (twice that): where a long-running heap ends up untuned.
@@ -29,6 +29,7 @@ HEAP_THRESHOLD = 32 << 20
 HEAP_TRIM_THRESHOLD = 2 * HEAP_THRESHOLD
 
 
+@functools.cache
 def _glibc() -> ctypes.CDLL | None:
     """The C library when it is glibc (the tuning calls below are glibc's), else None."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
@@ -40,10 +41,9 @@ def _mallopt(**values: int) -> bool:
     libc = _glibc()
     if libc is None:
         return False
-    codes = {"M_MMAP_THRESHOLD": M_MMAP_THRESHOLD, "M_TRIM_THRESHOLD": M_TRIM_THRESHOLD}
     done = True
     for parameter, value in values.items():
-        if not libc.mallopt(codes[parameter], value):
+        if not libc.mallopt(MALLOPT[parameter], value):
             log.warning("local.mallopt_failed", parameter=parameter, value=value)
             done = False
     return done
@@ -65,11 +65,9 @@ def keep_allocations_in_heap() -> bool:
     itself once it was set, so this sets where that would have led); where nothing had mapped, glibc is left as it
     is. Whether large blocks now come from the heap (not glibc: nothing changes, False)."""
     global _mapping
-    if _glibc() is None:
-        return False
     if _mapping and _mallopt(M_MMAP_THRESHOLD=HEAP_THRESHOLD, M_TRIM_THRESHOLD=HEAP_TRIM_THRESHOLD):
         _mapping = False
-    return not _mapping
+    return _glibc() is not None and not _mapping
 
 
 def release_free_memory() -> bool:
