@@ -17,12 +17,12 @@ Sections (``--section``, repeatable; default all):
   Default model: the embedded SmolLM2-135M (from its cache); ``--tiny`` uses a tiny random Llama instead,
   for a quick check of the script.
 
-- ``memory``: peak RSS and training tokens per second of ``train_sft`` with gradient checkpointing on and off
-  (the default), each run in a fresh process (``--mem-batch`` rows of ``--mem-seq-len`` tokens, the last
-  ``--mem-labelled`` labelled, ``--steps``
-  steps after ``--warmup``), the two alternating ``--repeats`` times; the median of each. Target: with
-  checkpointing on, replay-train under 4 GB, so training's own peak well under it (off, it trades memory for
-  speed).
+- ``memory``: peak RSS and training tokens per second of ``train_sft`` in three configurations: gradient
+  checkpointing on; off with micro-batches bounded by ``micro_batch_positions`` (the defaults: a batch past it
+  trains a row at a time); off and unbounded. Each run in a fresh process (``--mem-batch`` rows of
+  ``--mem-seq-len`` tokens, the last ``--mem-labelled`` labelled, ``--steps`` steps after ``--warmup``), the
+  three alternating ``--repeats`` times; the median of each. Target: replay-train under 4 GB, so training's own
+  peak well under it.
 
 - ``eval``: evaluation throughput: episodes (and model calls) per minute of the tools suite's validation tasks
   through the agent loop on the base model, one episode at a time against ``--concurrency`` at once.
@@ -143,14 +143,22 @@ def section_sft(args: argparse.Namespace) -> None:
     print(f"ratio training.sft / bare: {ratio:.3f} (target >= 0.8: {'PASS' if ratio >= 0.8 else 'FAIL'})")
 
 
-def _memory_run(args: argparse.Namespace, checkpointing: bool, results: Any) -> None:
+# ``--section memory``'s configurations: [training] settings over the defaults.
+MEMORY_CONFIGURATIONS: dict[str, dict[str, Any]] = {
+    "gradient checkpointing": {"gradient_checkpointing": True},
+    "bounded micro-batches (default)": {},
+    "unbounded micro-batches": {"micro_batch_positions": 0},
+}
+
+
+def _memory_run(args: argparse.Namespace, overrides: dict[str, Any], results: Any) -> None:
     """In a fresh process: train ``--steps`` + ``--warmup`` steps; (tokens/s of the measured steps, peak RSS MiB)."""
     import resource
 
     rows = bench_rows(args.mem_batch, args.mem_seq_len, len(load_tokenizer(args.model_path)), args.mem_labelled)
-    config = SFTConfig.from_settings(rank=args.rank, alpha=2.0 * args.rank, batch_size=args.mem_batch, grad_accum=1,
-                                     epochs=1.0, checkpoints=1, log_every=1, learning_rate=1e-4,
-                                     max_seq_len=args.mem_seq_len, gradient_checkpointing=checkpointing)
+    config = SFTConfig.from_settings(**{**dict(rank=args.rank, alpha=2.0 * args.rank, batch_size=args.mem_batch,
+                                               grad_accum=1, epochs=1.0, checkpoints=1, log_every=1,
+                                               learning_rate=1e-4, max_seq_len=args.mem_seq_len), **overrides})
     steps = args.warmup + args.steps
     with tempfile.TemporaryDirectory() as out:
         train_sft(args.model_path, rows * steps, config, Path(out))
@@ -167,26 +175,24 @@ def section_memory(args: argparse.Namespace) -> None:
     if args.tiny and not args.model_path:
         args.model_path = str(tiny_llama(Path(tempfile.mkdtemp(prefix="bench-tiny-")), load_tokenizer()))
     context = multiprocessing.get_context("spawn")
-    figures: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    figures: dict[str, list[tuple[float, float]]] = {name: [] for name in MEMORY_CONFIGURATIONS}
     for _ in range(args.repeats):
-        for checkpointing in (True, False):
+        for name, overrides in MEMORY_CONFIGURATIONS.items():
             results = context.Queue()
-            process = context.Process(target=_memory_run, args=(args, checkpointing, results))
+            process = context.Process(target=_memory_run, args=(args, overrides, results))
             process.start()
-            figures[checkpointing].append(results.get())
+            figures[name].append(results.get())
             process.join()
     model = "tiny random Llama" if args.tiny else (args.model_path or "embedded SmolLM2-135M")
     print(f"\nmemory: {model}; train_sft on {args.mem_batch} rows x {args.mem_seq_len} tokens ({args.mem_labelled} "
           f"labelled), LoRA rank {args.rank}, "
           f"{args.steps} steps after {args.warmup}; median of {args.repeats} fresh processes each")
-    print(f"{'gradient checkpointing':<24}{'tokens/s':>10}{'peak RSS MiB':>14}")
+    print(f"{'configuration':<34}{'tokens/s':>10}{'peak RSS MiB':>14}{'against the last':>18}")
     median = {k: (statistics.median(t for t, _ in v), statistics.median(m for _, m in v))
               for k, v in figures.items()}
-    for checkpointing in (True, False):
-        speed, peak = median[checkpointing]
-        print(f"{'on' if checkpointing else 'off':<24}{speed:>10.1f}{peak:>14.0f}")
-    print(f"ratio on / off: tokens/s {median[True][0] / median[False][0]:.2f}, "
-          f"peak RSS {median[True][1] / median[False][1]:.2f}")
+    last = median[next(reversed(median))]
+    for name, (speed, peak) in median.items():
+        print(f"{name:<34}{speed:>10.1f}{peak:>14.0f}{f'{speed / last[0]:.2f}x, {peak / last[1]:.2f}x':>18}")
 
 
 def section_eval(args: argparse.Namespace) -> None:

@@ -47,6 +47,14 @@ def shared_prefix(examples: list[Example]) -> int:
     return shared if shared >= MIN_SHARED_PREFIX else 0
 
 
+def positions(examples: list[Example]) -> int:
+    """Positions the decoder runs for ``examples`` padded as one batch: their shared prefix once, the rest once a row
+    at the longest row's width. A training step's activations grow with them (about 1.2 MB a position on the
+    embedded model in float32)."""
+    prefix = shared_prefix(examples)
+    return prefix + len(examples) * (max(len(e.input_ids) for e in examples) - prefix)
+
+
 def pad_batch(examples: list[Example], pad_id: int) -> Batch:
     """Right-padded, with the rows' shared prefix (``shared_prefix``) noted for ``label_logits``."""
     width = max(len(e.input_ids) for e in examples)

@@ -173,6 +173,11 @@ class TrainingSettings(Section):
                             "trained at 398 tokens/s, 4 rows at 6.1 GB and 335 tokens/s).")
     grad_accum: int = Field(4, gt=0, description="Micro-batches per optimizer step (rows per step: batch_size times "
                             "this).")
+    micro_batch_positions: int = Field(768, ge=0, description="Most positions the decoder runs for one micro-batch "
+                                       "(its rows' shared prompt once, the rest once a row, padding included): a "
+                                       "wider one trains a row at a time, with the same gradient, which bounds the "
+                                       "activations a step holds (about 1.3 MB a position on the embedded model; "
+                                       "0: no bound).")
     gradient_checkpointing: bool = Field(False, description="Recompute each layer's activations during the backward "
                                          "pass instead of keeping them: a fraction of the memory for about a third "
                                          "more compute, and no prompt shared across a batch (SFT and RL).")

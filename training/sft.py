@@ -12,7 +12,9 @@ The algorithm:
    system prompt and tool specs of one tool set: length buckets put rows alike side by side) runs through the
    decoder once, not once a row (``batches.label_logits``; not under gradient checkpointing). With
    gradient accumulation each micro-batch is weighted by its share of the step's label tokens, so a step's
-   loss is the mean over all its label tokens however they fall into micro-batches.
+   loss is the mean over all its label tokens however they fall into micro-batches; and so a micro-batch the
+   decoder would run more than ``micro_batch_positions`` positions for trains a row at a time (``within``), with
+   the same gradient and bounded activations.
 4. AdamW on the LoRA parameters, a linear warm-up over the first ~5% of steps then cosine decay to zero,
    gradients clipped to norm 1.0.
 5. ``checkpoints`` evenly spaced adapter folders (``checkpoint-<step>/``, peft's standard layout, which the
@@ -44,9 +46,10 @@ from tqdm import tqdm
 
 from gateway.backends.local.adapters import write_rendering
 from gateway.backends.local.heap import keep_allocations_in_heap, map_large_allocations
+from gateway.backends.local.kv import ATTENTION
 from gateway.backends.local.loading import LoadedModel, load_model
 from gateway.prompting import Rendering
-from training.batches import Batch, label_logits, pad_batch
+from training.batches import Batch, label_logits, pad_batch, positions
 from training.data import IGNORE, Example
 from training.plots import plot_loss
 from training.settings import TrainingSettings
@@ -74,6 +77,7 @@ class SFTConfig:
     epochs: float
     batch_size: int
     grad_accum: int
+    micro_batch_positions: int  # a micro-batch the decoder would run more positions for trains a row at a time (0: any)
     gradient_checkpointing: bool  # keep only each layer's input for the backward pass; recompute the rest
     map_large_allocations: bool  # heap.py: less memory held, more page faults
     max_seq_len: int
@@ -94,7 +98,8 @@ class SFTConfig:
         fields = dict(base_model=training.base_model, rank=training.rank, alpha=training.alpha,
                       dropout=training.dropout, target_modules=list(training.target_modules),
                       learning_rate=training.learning_rate, epochs=training.epochs, batch_size=training.batch_size,
-                      grad_accum=training.grad_accum, gradient_checkpointing=training.gradient_checkpointing,
+                      grad_accum=training.grad_accum, micro_batch_positions=training.micro_batch_positions,
+                      gradient_checkpointing=training.gradient_checkpointing,
                       map_large_allocations=training.map_large_allocations, max_seq_len=training.max_seq_len,
                       checkpoints=training.checkpoints, seed=training.seed, rendering=training.tool_rendering)
         return cls(**{**fields, **overrides})
@@ -141,6 +146,15 @@ def plan_batches(examples: list[Example], batch_size: int, epochs: float, seed: 
             batches = batches[:max(1, round((epochs - epoch) * len(batches)))]
         planned += [(epoch + (i + 1) / len(batches), b) for i, b in enumerate(batches)]
     return planned
+
+
+def within(examples: list[Example], most: int) -> list[list[Example]]:
+    """``examples`` as one micro-batch, or a row at a time where the decoder would run more than ``most`` positions
+    for them together (``batches.positions``; 0: no bound). The step's gradient is the same either way (each part is
+    weighted by its label tokens); the widest batch's activations, the most a step holds, are bounded."""
+    if not most or len(examples) == 1 or positions(examples) <= most:
+        return [examples]
+    return [[e] for e in examples]
 
 
 def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
@@ -205,6 +219,9 @@ def train_mode(model: torch.nn.Module, config: SFTConfig) -> None:
         map_large_allocations()
     else:
         keep_allocations_in_heap()
+    # The engine's attention reads the grouped key/value heads as they are, where the model's own copies them out to
+    # every query head and keeps the copies for the backward pass.
+    (model.get_base_model() if hasattr(model, "get_base_model") else model).set_attn_implementation(ATTENTION)
     model.train()
     if config.gradient_checkpointing:
         # Non-reentrant: gradients reach the LoRA weights although the frozen embeddings' outputs need none.
@@ -254,12 +271,13 @@ def train_sft(base_model_path: str | None, examples: list[Example], config: SFTC
         epoch = group[-1][0]
         step_labels = sum(label_tokens(e) for _, batch in group for e in batch)
         step_loss, step_tokens = 0.0, 0
-        for _, examples_in_batch in group:
-            batch = pad_batch(examples_in_batch, pad_id).to(device)
+        for part in (part for _, examples_in_batch in group
+                     for part in within(examples_in_batch, config.micro_batch_positions)):
+            batch = pad_batch(part, pad_id).to(device)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 loss = label_loss(model, batch)
             # Weighted by the micro-batch's share of the step's label tokens: the step's loss is their mean.
-            share = sum(label_tokens(e) for e in examples_in_batch) / step_labels
+            share = sum(label_tokens(e) for e in part) / step_labels
             (loss * share).backward()
             step_loss += loss.item() * share
             step_tokens += batch.tokens

@@ -20,8 +20,10 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 from gateway.backends.base import ChatRequest
 from gateway.backends.local import LocalBackend
 from gateway.backends.local.adapters import read_rendering
+from gateway.backends.local.kv import ATTENTION
 from gateway.config import BackendSettings
-from training.batches import Batch, pad_batch, perplexity
+from training import sft
+from training.batches import Batch, pad_batch, perplexity, positions
 from training.data import IGNORE, Example
 from training.general_data import general_examples
 from training.settings import TrainingSettings
@@ -30,8 +32,10 @@ from training.sft import (
     checkpoint_steps,
     label_loss,
     plan_batches,
+    train_mode,
     train_sft,
     warmup_cosine,
+    within,
     wrap_lora,
 )
 
@@ -51,6 +55,24 @@ def tiny_config(**overrides: Any) -> SFTConfig:
                     learning_rate=5e-3, epochs=3.0, batch_size=4, grad_accum=1, checkpoints=2, seed=0, log_every=2,
                     gradient_checkpointing=True, rendering="hermes")
     return SFTConfig.from_settings(**{**settings, **overrides})
+
+
+def trained_lora(tiny_model_dir: Path) -> Any:
+    """The tiny model with a fresh adapter whose B is not zero, as a trained adapter's: every LoRA weight then has a
+    gradient."""
+    torch.manual_seed(0)
+    model = wrap_lora(LlamaForCausalLM.from_pretrained(tiny_model_dir), tiny_config())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    return model
+
+
+def loss_and_grads(model: Any, batch: Batch) -> tuple[float, dict[str, torch.Tensor]]:
+    loss = label_loss(model, batch)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 
 def test_masked_lm_loss_matches_the_models_own_loss(tiny_model_dir: Path, examples: list[Example],
@@ -82,20 +104,13 @@ def test_rows_sharing_a_prompt_run_it_once_with_the_full_rows_loss_and_gradient(
     first_label = min(e.labels.index(next(x for x in e.labels if x != IGNORE)) for e in rows)
     assert 40 < batch.prefix < first_label  # the system prompt and more, but no position that predicts a label
 
-    def loss_and_grads(b: Batch) -> tuple[float, dict[str, torch.Tensor]]:
-        torch.manual_seed(0)
-        model = wrap_lora(LlamaForCausalLM.from_pretrained(tiny_model_dir), tiny_config())
-        with torch.no_grad():  # a trained adapter's B is not zero: every LoRA weight then has a gradient
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.1)
+    def trained(b: Batch) -> tuple[float, dict[str, torch.Tensor]]:
+        model = trained_lora(tiny_model_dir)
         model.train()
-        loss = label_loss(model, b)
-        loss.backward()
-        return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        return loss_and_grads(model, b)
 
-    shared, shared_grads = loss_and_grads(batch)
-    full, full_grads = loss_and_grads(dataclasses.replace(batch, prefix=0))
+    shared, shared_grads = trained(batch)
+    full, full_grads = trained(dataclasses.replace(batch, prefix=0))
     assert shared == pytest.approx(full, rel=1e-5)
     assert shared_grads.keys() == full_grads.keys() and shared_grads
     for name, grad in full_grads.items():
@@ -210,6 +225,59 @@ def test_grad_accumulation_weighs_by_label_tokens(tiny_model_dir: Path, examples
     a = load_file(whole.checkpoints[-1] / "adapter_model.safetensors")
     b = load_file(split.checkpoints[-1] / "adapter_model.safetensors")
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
+def test_training_attention_reads_grouped_heads_with_the_same_loss_and_gradient(
+        tiny_model_dir: Path, examples: list[Example], smol_tokenizer: PreTrainedTokenizerBase) -> None:
+    # The tiny model has 2 key/value heads for 4 query heads: the model's own attention copies them out, the engine's
+    # (which training now uses) reads them as they are.
+    batch = pad_batch(examples[:3], smol_tokenizer.pad_token_id)
+
+    own_model = trained_lora(tiny_model_dir)
+    own_model.train()
+    assert own_model.get_base_model().config._attn_implementation == "sdpa"
+    own, own_grads = loss_and_grads(own_model, batch)
+    grouped_model = trained_lora(tiny_model_dir)
+    train_mode(grouped_model, tiny_config(gradient_checkpointing=False))
+    assert grouped_model.get_base_model().config._attn_implementation == ATTENTION
+    grouped, grouped_grads = loss_and_grads(grouped_model, batch)
+    assert grouped == pytest.approx(own, rel=1e-5)
+    for name, grad in own_grads.items():
+        assert torch.allclose(grouped_grads[name], grad, rtol=1e-3, atol=1e-6), name
+
+
+def test_a_micro_batch_past_its_positions_trains_a_row_at_a_time_with_the_same_update(
+        tiny_model_dir: Path, smol_tokenizer: PreTrainedTokenizerBase, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    system = {"role": "system", "content": "You answer with tools. " * 8}
+    rows = general_examples(smol_tokenizer, [[system, *c] for c in conversations(4)], max_seq_len=256)
+    together = positions(rows)
+    width = max(len(e.input_ids) for e in rows)
+    assert width < together < 4 * width  # the shared prompt runs once
+    assert within(rows, 0) == [rows] and within(rows, together) == [rows]
+    assert within(rows, together - 1) == [[e] for e in rows] and within(rows[:1], 1) == [rows[:1]]
+
+    widths: list[tuple[int, int]] = []
+    real_loss = sft.label_loss
+
+    def spy(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        widths.append(tuple(batch.input_ids.shape))
+        return real_loss(model, batch)
+
+    monkeypatch.setattr(sft, "label_loss", spy)
+    config = dict(epochs=1.0, batch_size=4, checkpoints=1, bucket_batches=1, gradient_checkpointing=False)
+    whole = train_sft(str(tiny_model_dir), rows, tiny_config(**config, micro_batch_positions=together), tmp_path / "a")
+    assert [rows_ for rows_, _ in widths] == [4]
+    widths.clear()
+    apart = train_sft(str(tiny_model_dir), rows, tiny_config(**config, micro_batch_positions=together - 1),
+                      tmp_path / "b")
+    assert [rows_ for rows_, _ in widths] == [1, 1, 1, 1]
+    assert len(whole.losses) == len(apart.losses) == 1
+    assert apart.losses[0] == pytest.approx(whole.losses[0], rel=1e-5)
+    a = load_file(whole.checkpoints[-1] / "adapter_model.safetensors")
+    b = load_file(apart.checkpoints[-1] / "adapter_model.safetensors")
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    assert any(not torch.equal(a[k], torch.zeros_like(a[k])) for k in a if "lora_B" in k)  # it did train
 
 
 async def test_checkpoints_load_in_the_local_backend(tiny_model_dir: Path, examples: list[Example],
