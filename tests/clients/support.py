@@ -205,10 +205,14 @@ shell_snapshot = false
 """
 
 
-def codex_home(path: Path, base_url: str, model: str) -> Path:
-    """A ``CODEX_HOME`` whose config.toml points Codex at ``base_url`` (the gateway's ``/v1``)."""
+def codex_home(path: Path, base_url: str, model: str, catalog: Path | None = None) -> Path:
+    """A ``CODEX_HOME`` whose config.toml points Codex at ``base_url`` (the gateway's ``/v1``); with ``catalog``, a
+    model catalog (``model_catalog_json``) in place of Codex's own."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.toml").write_text(CODEX_CONFIG.format(model=model, base_url=base_url))
+    config = CODEX_CONFIG.format(model=model, base_url=base_url)
+    if catalog is not None:
+        config = f"model_catalog_json = {json.dumps(str(catalog))}\n" + config
+    (path / "config.toml").write_text(config)
     return path
 
 

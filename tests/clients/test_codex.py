@@ -36,13 +36,23 @@ COMMAND = f"echo {MARKER} > marker.txt"
 PROMPT = f"Create marker.txt by running this shell command: {COMMAND}"
 
 
-def test_codex_runs_a_command_through_the_gateway(tmp_path: Path) -> None:
+CATALOG = Path(__file__).resolve().parents[2] / "docs" / "codex" / "model_catalog.json"
+
+
+@pytest.mark.parametrize("documented_catalog", [False, True], ids=["codex-catalog", "documented-catalog"])
+def test_codex_runs_a_command_through_the_gateway(tmp_path: Path, documented_catalog: bool) -> None:
     codex = require_cli("codex")
     upstream = ScriptedUpstream(COMMAND, model=MODEL)
     work = tmp_path / "work"
     work.mkdir()
+    catalog, entry = None, None
+    if documented_catalog:  # docs/codex/model_catalog.json, its model renamed to the one served here
+        models = json.loads(CATALOG.read_text())["models"]
+        entry = {**models[0], "slug": MODEL}
+        catalog = tmp_path / "catalog.json"
+        catalog.write_text(json.dumps({"models": [entry]}))
     with stack(upstream, tmp_path / "gateway") as s:
-        home = codex_home(tmp_path / "codex-home", s.gateway.url + "/v1", MODEL)
+        home = codex_home(tmp_path / "codex-home", s.gateway.url + "/v1", MODEL, catalog)
         env = client_env(tmp_path / "home", s.proxy, CODEX_HOME=str(home), HARNESS_API_KEY="sk-test")
 
         done = run_cli(codex_exec_argv(codex, work, PROMPT), cwd=work, env=env, timeout=180)
@@ -56,6 +66,10 @@ def test_codex_runs_a_command_through_the_gateway(tmp_path: Path) -> None:
         first_tools = {t["function"]["name"] for t in upstream.calls[0].get("tools") or []
                        if t.get("type") == "function"}
         assert "exec_command" in first_tools, first_tools
+        if entry is not None:
+            # Codex read the catalog: its instructions open the conversation, its freeform apply_patch is offered.
+            assert entry["base_instructions"] in json.dumps(upstream.calls[0]["messages"]), explain
+            assert "apply_patch" in first_tools, first_tools
         call = upstream.answers[0]["tool_calls"][0]["function"]
         assert (call["name"], json.loads(call["arguments"])) == ("exec_command", {"cmd": COMMAND})
         assert done.returncode == 0, explain
