@@ -156,9 +156,9 @@ def _memory_run(args: argparse.Namespace, overrides: dict[str, Any], results: An
     import resource
 
     rows = bench_rows(args.mem_batch, args.mem_seq_len, len(load_tokenizer(args.model_path)), args.mem_labelled)
-    config = SFTConfig.from_settings(**{**dict(rank=args.rank, alpha=2.0 * args.rank, batch_size=args.mem_batch,
-                                               grad_accum=1, epochs=1.0, checkpoints=1, log_every=1,
-                                               learning_rate=1e-4, max_seq_len=args.mem_seq_len), **overrides})
+    config = SFTConfig.from_settings(rank=args.rank, alpha=2.0 * args.rank, batch_size=args.mem_batch, grad_accum=1,
+                                     epochs=1.0, checkpoints=1, log_every=1, learning_rate=1e-4,
+                                     max_seq_len=args.mem_seq_len, **overrides)
     steps = args.warmup + args.steps
     with tempfile.TemporaryDirectory() as out:
         train_sft(args.model_path, rows * steps, config, Path(out))

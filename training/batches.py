@@ -29,6 +29,11 @@ class Batch:
                      self.prefix)
 
 
+def base_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model itself, under a peft wrapper or not."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 MIN_SHARED_PREFIX = 16  # shorter shared prefixes are not worth a second decoder call
 
 
@@ -83,7 +88,7 @@ def label_logits(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, to
     are those of the full rows (to rounding), for a prefix's compute once instead of once a row. Not under
     gradient checkpointing, which turns the decoder's key-value cache off.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a peft wrapper
+    base = base_of(model)
     decoder = base.get_decoder()
     targets = F.pad(batch.labels, (0, 1), value=IGNORE)[:, 1:]
     start = batch.prefix if not (decoder.training and getattr(decoder, "gradient_checkpointing", False)) else 0

@@ -21,6 +21,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from gateway.prompting import Message, encode_prompt
+from training.batches import base_of
 from training.data import Example, TooLong, pad_id_of, render_example, stop_token_ids
 
 log = structlog.get_logger()
@@ -68,7 +69,7 @@ def general_conversations(model: PreTrainedModel, tokenizer: PreTrainedTokenizer
     An answer cut off at ``max_new_tokens`` carries ``"finish_reason": "length"`` so no end-of-turn is trained on it.
     """
     prompts = load_prompts(prompts_path)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_of(model)
     key = _general_key(base, tokenizer, Path(prompts_path), max_new_tokens)
     cache = Path(cache_dir).expanduser() if cache_dir else default_general_cache()
     path = cache / f"{key}.jsonl"

@@ -49,7 +49,7 @@ from gateway.backends.local.heap import keep_allocations_in_heap, map_large_allo
 from gateway.backends.local.kv import ATTENTION
 from gateway.backends.local.loading import LoadedModel, load_model
 from gateway.prompting import Rendering
-from training.batches import Batch, label_logits, pad_batch, positions
+from training.batches import Batch, base_of, label_logits, pad_batch, positions
 from training.data import IGNORE, Example
 from training.plots import plot_loss
 from training.settings import TrainingSettings
@@ -221,7 +221,7 @@ def train_mode(model: torch.nn.Module, config: SFTConfig) -> None:
         keep_allocations_in_heap()
     # The engine's attention reads the grouped key/value heads as they are, where the model's own copies them out to
     # every query head and keeps the copies for the backward pass.
-    (model.get_base_model() if hasattr(model, "get_base_model") else model).set_attn_implementation(ATTENTION)
+    base_of(model).set_attn_implementation(ATTENTION)
     model.train()
     if config.gradient_checkpointing:
         # Non-reentrant: gradients reach the LoRA weights although the frozen embeddings' outputs need none.
@@ -271,8 +271,9 @@ def train_sft(base_model_path: str | None, examples: list[Example], config: SFTC
         epoch = group[-1][0]
         step_labels = sum(label_tokens(e) for _, batch in group for e in batch)
         step_loss, step_tokens = 0.0, 0
-        for part in (part for _, examples_in_batch in group
-                     for part in within(examples_in_batch, config.micro_batch_positions)):
+        parts = [part for _, examples_in_batch in group
+                 for part in within(examples_in_batch, config.micro_batch_positions)]
+        for part in parts:
             batch = pad_batch(part, pad_id).to(device)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 loss = label_loss(model, batch)
