@@ -285,6 +285,7 @@ def build_app(settings: Settings) -> Starlette:
         route("/v1/completions", completions.create_completion, "POST", "completions"),
         route("/v1/embeddings", embeddings.create_embeddings, "POST", "embeddings"),
         route("/v1/responses", responses.create_response, "POST", "responses"),
+        route("/v1/responses/compact", responses.compact_response, "POST", "responses_compact"),
         route("/v1/responses/{response_id}", responses.get_response, "GET", "response"),
         route("/v1/messages", messages.create_message, "POST", "messages"),
         route("/v1/messages/count_tokens", messages.count_tokens, "POST", "messages_count_tokens"),

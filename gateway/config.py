@@ -79,18 +79,22 @@ LOCAL_MAX_OUTPUT_TOKENS = 1024
 # OpenAI's APIs beside chat that a backend may serve; the embedded model embeds nothing, an Anthropic upstream speaks
 # the Messages API alone.
 Api = Literal["completions", "embeddings"]
+# The kinds whose API is passed through, not translated: each serves its own surface alone.
+PASSED_THROUGH = ("anthropic", "openai-responses")
 DEFAULT_APIS: dict[str, tuple[Api, ...]] = {"openai": ("completions", "embeddings"),
                                             "sglang": ("completions", "embeddings"),
                                             "vllm": ("completions", "embeddings"), "local": ("completions",),
-                                            "anthropic": ()}
+                                            "anthropic": (), "openai-responses": ()}
 
 
 class BackendSettings(Section):
     name: str = Field(description="Unique name, shown in logs and owned_by.")
-    kind: Literal["openai", "sglang", "vllm", "local", "anthropic"] = Field(
+    kind: Literal["openai", "sglang", "vllm", "local", "anthropic", "openai-responses"] = Field(
         "openai", description="openai (any OpenAI-compatible upstream), sglang, vllm, local (the embedded "
-        "model), or anthropic (an Anthropic Messages API upstream, served on /v1/messages only and passed through "
-        "byte for byte; base_url is its root as ANTHROPIC_BASE_URL takes it, e.g. https://api.anthropic.com); "
+        "model), anthropic (an Anthropic Messages API upstream, served on /v1/messages only and passed through "
+        "byte for byte; base_url is its root as ANTHROPIC_BASE_URL takes it, e.g. https://api.anthropic.com), or "
+        "openai-responses (a Responses API upstream, served on /v1/responses only and passed through byte for "
+        "byte: reasoning items, custom tools, compaction; base_url as for openai, e.g. https://api.openai.com/v1); "
         "sglang, vllm and local load LoRA adapters at runtime.")
     base_url: str | None = Field(None, description="The upstream's OpenAI base URL, e.g. "
                                  "http://127.0.0.1:30000/v1; required unless local.")
@@ -138,7 +142,8 @@ class BackendSettings(Section):
     apis: list[Api] | None = Field(None, description="Which of OpenAI's APIs besides chat this backend serves: "
                                    "completions (/v1/completions) and embeddings (/v1/embeddings); a model whose "
                                    "backend does not list one gets a 404 unsupported_api there (default: both for "
-                                   "openai, sglang and vllm, completions for local, neither for anthropic).")
+                                   "openai, sglang and vllm, completions for local, neither for anthropic and "
+                                   "openai-responses).")
     api_key: str | None = Field(None, exclude=True)
 
     @model_validator(mode="after")
@@ -147,7 +152,7 @@ class BackendSettings(Section):
             raise ValueError(f"backend {self.name!r} of kind {self.kind!r} needs base_url")
         if self.apis is None:
             self.apis = list(DEFAULT_APIS[self.kind])
-        refused = set(self.apis) - set(DEFAULT_APIS[self.kind]) if self.kind in ("local", "anthropic") else set()
+        refused = set(self.apis) - set(DEFAULT_APIS[self.kind]) if self.kind in PASSED_THROUGH + ("local",) else set()
         if refused:
             raise ValueError(f"backend {self.name!r} of kind {self.kind!r} cannot serve {', '.join(sorted(refused))}")
         if self.kind == "local" and not self.models:

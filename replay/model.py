@@ -2,13 +2,16 @@
 
 Read once by ``TrajectoryStore.get_trajectory`` and consumed as is by the reward signals, RL, evaluation,
 the API and the command line. ``format`` names the API a trajectory's calls came through: ``chat`` (Chat
-Completions, and the Responses API, which is translated to it) or ``anthropic`` (the Messages API). Whatever the
-format, ``ModelCall.request`` and its replies are Chat Completions messages, which every reader (rewards, export,
+Completions, and the Responses API translated for a chat backend), ``anthropic`` (the Messages API) or
+``responses`` (the Responses API passed through to a Responses-native upstream). Whatever the format,
+``ModelCall.request`` and its replies are Chat Completions messages, which every reader (rewards, export,
 training) takes; a call that came through another API also keeps its exchange as it came, ``ModelCall.native``
 (``{"api", "request", "response"}``: the Messages API request and the Message answered, thinking signatures and
-all). The formats ``completions`` and ``embeddings`` (legacy text completions, embeddings) hold no conversation:
-their one call has no messages and its exchange in ``native`` alone (an embedding's vectors left out), so exports
-and training pass them by and the reward engine leaves them unscored.
+all; the Responses request and response, reasoning items and their ``encrypted_content`` and all, which
+``Trajectory.items`` lays out as the session's items). The formats ``completions`` and ``embeddings`` (legacy text
+completions, embeddings) hold no conversation: their one call has no messages and its exchange in ``native`` alone
+(an embedding's vectors left out), so exports and training pass them by and the reward engine leaves them
+unscored.
 
 A model call is read in two depths: ``StoredCall``, as the store holds it (message bodies by key, token ids
 packed), and ``ModelCall``, whole (``StoredCall.to_model_call``: bodies in place, columns unpacked). Readers of
@@ -31,11 +34,13 @@ from replay.vocabulary import REFUSED_STATUSES
 
 CHAT = "chat"
 ANTHROPIC = "anthropic"
+RESPONSES = "responses"  # the Responses API passed through to a Responses-native upstream
 # Calls passed through without a conversation: a raw prompt completed, texts embedded. Recorded without messages (so
 # exports and training, which read messages and replies, pass them by) and whole in ``ModelCall.native``.
 COMPLETIONS = "completions"
 EMBEDDINGS = "embeddings"
-CONVERSATIONS = frozenset({CHAT, ANTHROPIC})  # the formats whose calls hold messages to learn from and reward
+# The formats whose calls hold messages to learn from and reward.
+CONVERSATIONS = frozenset({CHAT, ANTHROPIC, RESPONSES})
 
 
 def content_text(content: Any) -> str | None:
@@ -45,6 +50,11 @@ def content_text(content: Any) -> str | None:
     if isinstance(content, list):
         return "".join(p.get("text") or "" for p in content if isinstance(p, dict))
     return str(content)
+
+
+def _same_item(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return {k: v for k, v in a.items() if k not in ("id", "status")} == \
+        {k: v for k, v in b.items() if k not in ("id", "status")}
 
 
 @dataclass(slots=True, kw_only=True)
@@ -317,9 +327,29 @@ class Trajectory:
                 "final_reward": self.final_reward, "metadata": self.metadata, "created_at": self.created_at,
                 "updated_at": self.updated_at}
 
+    def items(self) -> list[dict[str, Any]]:
+        """A ``responses`` trajectory as the items its session went through, in order: each call's input items not
+        already seen, then its output items. A compacted history starts over, after the compaction call's output;
+        an item sent back matches the one answered whatever its ``id`` and ``status``, which clients may drop."""
+        items: list[dict[str, Any]] = []
+        seen: list[dict[str, Any]] = []
+        for call in self.calls:
+            native = call.native or {}
+            if native.get("api") != RESPONSES:
+                continue
+            given = (native.get("request") or {}).get("input")
+            given = [{"type": "message", "role": "user", "content": given}] if isinstance(given, str) else given
+            inputs = [i for i in given or () if isinstance(i, dict)]
+            output = [i for i in (native.get("response") or {}).get("output") or () if isinstance(i, dict)]
+            known = len(seen) <= len(inputs) and all(map(_same_item, seen, inputs))
+            items += (inputs[len(seen):] if known else inputs) + output
+            seen = inputs + output
+        return items
+
     def to_dict(self) -> dict[str, Any]:
-        """Everything, as the API and ``harness show`` give it."""
-        return {**self.summary(), "format": self.format, "calls": [c.to_dict() for c in self.calls],
+        """Everything, as the API and ``harness show`` give it (a ``responses`` trajectory's ``items`` too)."""
+        extra = {"items": self.items()} if self.format == RESPONSES else {}
+        return {**self.summary(), "format": self.format, **extra, "calls": [c.to_dict() for c in self.calls],
                 "tool_calls": [t.to_dict() for t in self.tool_calls], "events": [e.to_dict() for e in self.events],
                 "feedback": [f.to_dict() for f in self.feedback],
                 "run": self.run.to_dict() if self.run else None}

@@ -45,11 +45,12 @@ class Stitcher:
         self._lock = asyncio.Lock()
 
     async def stitch(self, *, session_key: str | None, prefix: list[str], anchor: str,
-                      tenant: str | None) -> TrajectoryRef:
+                      tenant: str | None, compacted: bool = False) -> TrajectoryRef:
         """Decide which trajectory a request extends, or start a new one (recording its parent).
 
         With a session key, the newest trajectory of that session is extended when the request's
-        history starts with everything it holds; otherwise the request forks it. Without one, the
+        history starts with everything it holds, or when the history is ``compacted`` (the client
+        shortened it, and the session goes on); otherwise the request forks it. Without one, the
         trajectory whose conversation is the longest prefix of the request is extended if that prefix
         is still its whole conversation, and forked if it has moved on since (an edit or a retry); a
         request that shares only the opening (system prompt and first user message) forks it too.
@@ -60,7 +61,7 @@ class Stitcher:
                 tid = self._sessions.get(scope + session_key) or self._session_from_db(session_key, tenant)
                 if tid is not None:
                     state = self._state_of(tid)
-                    if state[0] in set(prefix):
+                    if compacted or state[0] in set(prefix):
                         return self._claim(tid, state)
                 return self._new(scope, session_key, parent=tid)
             cached = {h: t for h in prefix if (t := self._heads.get(scope + h)) is not None}
@@ -149,11 +150,11 @@ class SharedStitcher:
         self.db = db
 
     async def stitch(self, *, session_key: str | None, prefix: list[str], anchor: str,
-                     tenant: str | None) -> TrajectoryRef:
+                     tenant: str | None, compacted: bool = False) -> TrajectoryRef:
         if session_key is not None:
             rows = await self.db.fetchall(_SESSION, (session_key, tenant))
             parent = rows[0]["id"] if rows else None
-            if rows and rows[0]["head_hash"] in set(prefix):
+            if rows and (compacted or rows[0]["head_hash"] in set(prefix)):
                 seq = await self._claim(parent, rows[0]["head_hash"])
                 if seq is not None:
                     return TrajectoryRef(id=parent, seq=seq, is_new=False)

@@ -80,9 +80,10 @@ class TrajectoryStore:
     # -- writing -----------------------------------------------------------------------------------
 
     async def stitch(self, *, session_key: str | None, prefix: list[str], anchor: str,
-                      tenant: str | None) -> TrajectoryRef:
+                      tenant: str | None, compacted: bool = False) -> TrajectoryRef:
         """Which trajectory a request extends, or a new one (see ``Stitcher.stitch``)."""
-        return await self._stitcher.stitch(session_key=session_key, prefix=prefix, anchor=anchor, tenant=tenant)
+        return await self._stitcher.stitch(session_key=session_key, prefix=prefix, anchor=anchor, tenant=tenant,
+                                           compacted=compacted)
 
     async def record(self, rec: CallRecord) -> None:
         """Queue a call for the next commit and wait until it is durable."""

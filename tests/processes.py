@@ -74,7 +74,8 @@ class GatewayProcess:
                 self.kill()
 
 
-def upstream_config(upstream_url: str, *, extra: str = "", store: str = "", backend: str = "") -> str:
+def upstream_config(upstream_url: str, *, extra: str = "", store: str = "", backend: str = "",
+                    kind: str = "openai") -> str:
     return f"""
 [store]
 path = "harness.db"
@@ -82,7 +83,7 @@ path = "harness.db"
 
 [[backends]]
 name = "standin"
-kind = "openai"
+kind = "{kind}"
 base_url = "{upstream_url}/v1"
 models = ["stand-in-model"]
 read_timeout = 2.0

@@ -51,7 +51,8 @@ def split_for_summary(messages: list[dict[str, Any]], keep_last_turns: int) -> S
     return Split(messages[:head_end], middle, messages[tail_start:])
 
 
-def render_for_summary(middle: list[dict[str, Any]]) -> str:
+def render_for_summary(middle: list[dict[str, Any]], max_chars: int | None = None) -> str:
+    """The turns as lines of text; past ``max_chars``, the newest that fit."""
     lines = []
     for m in middle:
         role = m.get("role")
@@ -62,7 +63,8 @@ def render_for_summary(middle: list[dict[str, Any]]) -> str:
         if m.get("content"):
             label = f"result of {m.get('tool_call_id')}" if role == "tool" else role
             lines.append(f"{label}: {m['content']}")
-    return "\n".join(lines)
+    text = "\n".join(lines)
+    return text if max_chars is None or len(text) <= max_chars else "…" + text[-max_chars:]
 
 
 def extractive_summary(middle: list[dict[str, Any]], max_chars: int = 2000) -> str:
@@ -87,9 +89,9 @@ def summary_message(text: str) -> dict[str, Any]:
     return {"role": "user", "content": SUMMARY_PREFIX + text.strip()}
 
 
-def summary_request(middle: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def summary_request(middle: list[dict[str, Any]], max_chars: int | None = None) -> list[dict[str, Any]]:
     return [{"role": "system", "content": SUMMARY_INSTRUCTIONS},
-            {"role": "user", "content": render_for_summary(middle)}]
+            {"role": "user", "content": render_for_summary(middle, max_chars)}]
 
 
 def with_tool_results(messages: list[dict[str, Any]], results: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -144,16 +144,18 @@ class Exchange:
 
 async def open_exchange(ctx: RequestContext, principal: Principal, body: dict[str, Any], parsed: ChatCompletionRequest,
                         *, session_body: dict[str, Any] | None = None, session: str | None = None,
-                        side: bool = False) -> Exchange:
+                        side: bool = False, compacted: bool = False) -> Exchange:
     """Route the request and decide its trajectory (before the backend runs, so the id can go out in the
     headers). ``session_body`` is where session ids are read from when it is not the chat body itself;
     ``session`` is a key the surface found itself (the session header still comes first). A ``side`` request
-    (a client's own title or summary request) gets a trajectory of its own, never stitched into its session's."""
+    (a client's own title or summary request) gets a trajectory of its own, never stitched into its session's;
+    a ``compacted`` one (a history its client shortened, or the call that shortens it) goes on in its session's."""
     gateway = ctx.gateway
     messages = body["messages"]
     prefix = hashing.prefix_hashes(messages)
     session = session_key(ctx.request.headers, session_body if session_body is not None else body) or session
-    anchor = prefix[hashing.anchor_index(messages)]
+    # A request passed through may carry no message at all (only items its upstream keeps): an opening of its own.
+    anchor = prefix[hashing.anchor_index(messages)] if prefix else new_id()
     # A canary draw keyed by the session, else by the conversation's opening, keeps a trajectory on one version.
     target = gateway.router.route(parsed.model, sticky=session or anchor)
     await admit(ctx, principal, target.base, body, prompt_counter(target.backend, messages, body.get("tools")))
@@ -166,7 +168,8 @@ async def open_exchange(ctx: RequestContext, principal: Principal, body: dict[st
         # Its own session key: the session's newest trajectory must stay the session's own.
         ref = TrajectoryRef(id=new_id(), seq=0, is_new=True, session_key=f"{session}:side" if session else None)
     elif principal.capture:
-        ref = await gateway.store.stitch(session_key=session, prefix=prefix, anchor=anchor, tenant=principal.tenant)
+        ref = await gateway.store.stitch(session_key=session, prefix=prefix, anchor=anchor, tenant=principal.tenant,
+                                         compacted=compacted)
     else:
         ref = TrajectoryRef(id=new_id(), seq=0, is_new=True)
     line.trajectory_id = ref.id
@@ -263,6 +266,7 @@ async def _guard(ctx: RequestContext, exchange: Exchange, result: ChatResult, re
     sent = exchange.body["messages"]
     retries = ctx.gateway.settings.server.guard_retries
     for attempt in range(retries + 1):
+        _one_call_unless_parallel(exchange, result)
         checked = guard.check_message(result.message, schemas) if schemas else []
         invalid = [c for c in checked if not c.valid]
         retry = bool(invalid) and attempt < retries
@@ -276,6 +280,14 @@ async def _guard(ctx: RequestContext, exchange: Exchange, result: ChatResult, re
         sent = guard.retry_messages(sent, result.message, checked)
         result = await exchange.backend.chat(exchange.chat_request({**exchange.body, "messages": sent}))
     return result
+
+
+def _one_call_unless_parallel(exchange: Exchange, result: ChatResult) -> None:
+    """``parallel_tool_calls: false`` allows one tool call a turn; many servers do not take the flag, so the calls a
+    backend made past the first are dropped here, before they are checked, recorded or sent."""
+    calls = result.message.get("tool_calls")
+    if exchange.body.get("parallel_tool_calls") is False and calls and len(calls) > 1:
+        result.message["tool_calls"] = calls[:1]
 
 
 def account(ctx: RequestContext, exchange: Exchange, records: list[CallRecord]) -> None:
@@ -361,11 +373,14 @@ class Relay:
 
     async def _guard(self) -> None:
         first = ChatResult(response=self.relay.acc.completion(), extras=self.stream.extras)
+        made = len(first.message.get("tool_calls") or ())
         records: list[CallRecord] = []
         try:
             result = await _guard(self.ctx, self.exchange, first, records)
-            # Checked and passed: the fragments go out as the backend sent them; else a retry's calls, whole.
-            self.relay.release_calls(None if result is first else result.message.get("tool_calls") or [])
+            # Checked and passed: the fragments go out as the backend sent them; else a retry's calls (or the one
+            # call of a turn that allows one), whole.
+            calls = result.message.get("tool_calls") or []
+            self.relay.release_calls(None if result is first and len(calls) == made else calls)
         except BackendError as exc:
             self.failure = exc
             records.append(self.exchange.record(status="error", error=exc.message))

@@ -16,31 +16,19 @@ stitched by the session id Claude Code sends.
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from gateway.agent.service import AGENT_PREFIX
 from gateway.api.common import json_response, parse_json, read_body
-from gateway.api.exchange import (
-    Exchange,
-    Relay,
-    account,
-    as_api_error,
-    choose_model,
-    complete,
-    open_exchange,
-    open_stream,
-    record_disconnect,
-    save,
-)
+from gateway.api.exchange import Exchange, Relay, choose_model, complete, open_exchange, open_stream
+from gateway.api.passthrough import pass_through
 from gateway.auth import Principal
-from gateway.backends.anthropic import AnthropicBackend, EventStream
+from gateway.backends.anthropic import AnthropicBackend
 from gateway.backends.base import BackendError
 from gateway.context import RequestContext
 from gateway.errors import APIError
@@ -53,15 +41,14 @@ from gateway.protocol.anthropic import (
     estimate_tokens,
     message_to_chat,
     messages_to_chat,
-    parse_sse,
     session_id,
     side_request_kind,
     validate_messages_request,
 )
 from gateway.protocol.chat import ChatCompletionRequest, validate_chat_request
 from gateway.protocol.sse import encode_named_event, encode_named_events
-from gateway.streaming import EventStreamResponse, unless_disconnected
-from replay.records import CallRecord, new_id
+from gateway.streaming import EventStreamResponse
+from replay.records import CallRecord, Statement, new_id
 
 API = "anthropic"
 MESSAGES_PATH = "/v1/messages"
@@ -174,124 +161,53 @@ async def _stream(relay: Relay, events: MessageStream) -> AsyncIterator[bytes]:
 
 # -- passed through to an Anthropic-native upstream ----------------------------------------------------------------
 
-def _upstream_failure(status: int, body: bytes) -> str:
-    try:
-        error = orjson.loads(body).get("error") or {}
-        return f"upstream returned {status}: {error.get('type')}: {error.get('message')}"
-    except (orjson.JSONDecodeError, AttributeError):
-        return f"upstream returned {status}: {body[:200].decode('utf-8', 'replace')}"
+class _MessagesReader:
+    """The Messages API's side of a pass-through: the Message recorded in the chat format, and as it came."""
+
+    held = frozenset({"message_delta", "message_stop", "error"})
+
+    def __init__(self, request: dict[str, Any]) -> None:
+        self.request = request
+        self.acc = MessageAccumulator()
+
+    def add(self, event: dict[str, Any]) -> None:
+        self.acc.add(event)
+
+    def is_output(self, kind: str | None) -> bool:
+        return kind == "content_block_delta"
+
+    @property
+    def answer(self) -> dict[str, Any] | None:
+        return self.acc.message
+
+    def failure(self) -> str | None:
+        error = self.acc.error
+        return None if error is None else f"upstream stream error: {error.get('type')}: {error.get('message')}"
+
+    def record(self, exchange: Exchange, answer: dict[str, Any] | None, *, status: str,
+               error: str | None) -> CallRecord:
+        if answer is None:
+            return exchange.record(status="error" if status == "ok" else status,
+                                   error=error or "upstream stream ended before message_start")
+        return exchange.record(status=status, response=message_to_chat(answer), error=error,
+                               native=_native(self.request, answer))
+
+    def statements(self, answer: dict[str, Any]) -> list[Statement]:
+        return []
+
+    def error_event(self, status: int, message: str) -> bytes:
+        return encode_named_event("error", error_body(status, message))
 
 
 async def _pass_through(ctx: RequestContext, exchange: Exchange, asked: _Request,
                         backend: AnthropicBackend) -> Response:
-    request = ctx.request
-    query = request.url.query
-    exchange.native = lambda _: _native(asked.body, None)  # an answer passed through is kept as it came, below
-    if not asked.body.get("stream"):
-        try:
-            reply = await unless_disconnected(request.receive, backend.send(MESSAGES_PATH, asked.raw, request.headers,
-                                                                             query=query))
-        except BackendError as exc:
-            await save(ctx, exchange, [exchange.record(status="error", error=exc.message)])
-            raise as_api_error(exc, exchange) from None
-        except ClientDisconnect:
-            record_disconnect(ctx, exchange, [exchange.record(
-                status="client_disconnected", error="the client closed the connection before the answer")])
-            raise
-        record = _recorded(exchange, reply.status, reply.body)
-        await save(ctx, exchange, [record])
-        account(ctx, exchange, [record])
-        return Response(reply.body, status_code=reply.status, headers={**reply.headers, **exchange.headers})
-    try:
-        upstream = await backend.open_stream(MESSAGES_PATH, asked.raw, request.headers, query=query)
-    except BackendError as exc:
-        await save(ctx, exchange, [exchange.record(status="error", error=exc.message)])
-        raise as_api_error(exc, exchange) from None
-    if upstream.status != 200:
-        body = b"".join([part async for part in upstream])
-        await save(ctx, exchange, [exchange.record(status="error", error=_upstream_failure(upstream.status, body))])
-        return Response(body, status_code=upstream.status, headers={**upstream.headers, **exchange.headers})
-    return EventStreamResponse(_relay_events(ctx, exchange, upstream),
-                               headers={**upstream.headers, **exchange.headers})
-
-
-def _recorded(exchange: Exchange, status: int, body: bytes) -> CallRecord:
-    """The record of a whole upstream answer: the Message as a chat completion, or the upstream's error."""
-    if status == 200:
-        try:
-            message = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            return exchange.record(status="error", error="upstream answered 200 with a body that is not JSON")
-        return _record_message(exchange, message)
-    return exchange.record(status="error", error=_upstream_failure(status, body))
-
-
-def _record_message(exchange: Exchange, message: dict[str, Any], *, status: str = "ok",
-                    error: str | None = None) -> CallRecord:
-    """The record of an upstream's Message: as a chat completion, and as it came."""
-    native = {**exchange.native(None), "response": message} if exchange.native else None
-    return exchange.record(status=status, response=message_to_chat(message), error=error, native=native)
+    exchange.native = lambda _: _native(asked.body, None)  # an answer passed through is kept as it came
+    return await pass_through(ctx, exchange, backend, MESSAGES_PATH, asked.raw, _MessagesReader(asked.body),
+                              stream=bool(asked.body.get("stream")))
 
 
 def _native(request: dict[str, Any], message: dict[str, Any] | None) -> dict[str, Any]:
     return {"api": API, "request": request, "response": message}
-
-
-async def _relay_events(ctx: RequestContext, exchange: Exchange, upstream: EventStream) -> AsyncIterator[bytes]:
-    """The upstream's events, byte for byte, as they come; ``message_delta`` and what follows it only once the call
-    is recorded."""
-    started = time.perf_counter()
-    acc = MessageAccumulator()
-    held: list[bytes] = []
-    buffer = b""
-    failure: str | None = None
-    finished = False
-    ttft: float | None = None
-    try:
-        try:
-            async for data in upstream:
-                events, buffer = parse_sse(buffer + data)
-                for raw, event in events:
-                    kind = event.get("type") if isinstance(event, dict) else None
-                    if event is not None:
-                        acc.add(event)
-                    if ttft is None and kind == "content_block_delta":
-                        ttft = (time.perf_counter() - started) * 1000
-                    if held or kind in ("message_delta", "message_stop", "error"):
-                        held.append(raw)
-                    else:
-                        yield raw
-        except BackendError as exc:
-            failure = exc.message
-            held.append(encode_named_event("error", error_body(exc.status_code, exc.message)))
-        if buffer:
-            held.append(buffer)
-        finished = True
-    finally:
-        if not finished:
-            await upstream.aclose()
-            message = acc.message
-            record_disconnect(ctx, exchange, [
-                _record_message(exchange, message, status="client_disconnected",
-                                error="the client closed the connection mid-stream") if message else
-                exchange.record(status="client_disconnected", error="the client closed the connection mid-stream")])
-    message = acc.message
-    if acc.error is not None:
-        failure = failure or f"upstream stream error: {acc.error.get('type')}: {acc.error.get('message')}"
-    if failure is None and message is not None:
-        record = _record_message(exchange, message)
-    else:
-        record = (_record_message(exchange, message, status="error", error=failure) if message is not None else
-                  exchange.record(status="error", error=failure or "upstream stream ended before message_start"))
-    record.ttft_ms = ttft
-    record.stream = True
-    try:
-        await save(ctx, exchange, [record])
-    except APIError as exc:  # not recorded: the finishing events are not sent
-        yield encode_named_event("error", error_body(exc.status_code, exc.message))
-        return
-    account(ctx, exchange, [record])
-    yield b"".join(held)
 
 
 # -- counting ----------------------------------------------------------------------------------------------------

@@ -82,6 +82,8 @@ _OPERATIONS: dict[str, tuple[str, Any, int, list[dict[str, Any]]]] = {
                     "CompletionRequest", 200, []),
     "embeddings": ("Create embeddings", "EmbeddingRequest", 200, []),
     "responses": ("Create a response (the Responses API)", "ResponsesRequest", 200, []),
+    "responses_compact": ("Compact a conversation (the Responses API: its user messages and one compaction item)",
+                          "ResponsesRequest", 200, []),
     "response": ("Fetch a stored response", None, 200, []),
     "messages": ("Create a message (the Anthropic Messages API; errors in Anthropic's shape)", _MESSAGES, 200, []),
     "messages_count_tokens": ("Count a message's input tokens (the Anthropic Messages API)", _COUNT, 200, []),

@@ -1,27 +1,34 @@
-"""``POST /v1/responses`` (the Responses API, which Codex CLI speaks) and ``GET /v1/responses/{id}``.
+"""``POST /v1/responses`` (the Responses API, which Codex CLI speaks), ``POST /v1/responses/compact`` and
+``GET /v1/responses/{id}``.
 
-Requests are translated to chat completions (``gateway/protocol/responses/``, pure) and run through
-the same exchange as ``/v1/chat/completions``: routing, stitching, the proxy guard and capture. ``store``
-decides only whether a response can be fetched or continued with ``previous_response_id``; capture
-follows the gateway's own settings whatever ``store`` says.
+A model on a chat backend gets its requests translated to chat completions (``gateway/protocol/responses/``, pure)
+and run through the same exchange as ``/v1/chat/completions``: routing, stitching, the proxy guard and capture;
+compaction is answered by the summarizer (``compaction.py``). A model on a Responses-native upstream
+(``kind = "openai-responses"``) gets them passed through as they came (``responses_native.py``). ``store`` decides
+only whether a response can be fetched or continued with ``previous_response_id``; capture follows the gateway's
+own settings whatever ``store`` says.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import Response
 
 from gateway.agent.service import AGENT_PREFIX
-from gateway.api.common import json_response, read_json_body
+from gateway.api import compaction
+from gateway.api.common import json_response, parse_json, read_body
 from gateway.api.exchange import TRAJECTORY_HEADER, Relay, choose_model, complete, open_exchange, open_stream
+from gateway.api.responses_native import pass_through_response
 from gateway.auth import Principal
 from gateway.backends.base import ChatResult
+from gateway.backends.openai_responses import ResponsesBackend
 from gateway.context import RequestContext
 from gateway.errors import APIError
-from gateway.protocol.chat import validate_chat_request
+from gateway.protocol.chat import ChatCompletionRequest, validate_chat_request
 from gateway.protocol.responses import (
     ResponseStream,
     ToolMap,
@@ -32,6 +39,7 @@ from gateway.protocol.responses import (
     responses_to_chat,
     validate_responses_request,
 )
+from gateway.protocol.responses.compaction import asks_compaction, compacts, is_compacted
 from gateway.protocol.sse import encode_named_events
 from gateway.streaming import EventStreamResponse
 from replay import stored_responses
@@ -68,35 +76,73 @@ class _Kept:
             await store.write(WriteOp(statements=[self._statement(response, None)]))
 
 
-async def create_response(ctx: RequestContext) -> Response:
+@dataclass
+class _Asked:
+    """A Responses request read, checked and routed; its history translated for the record (and, on a chat
+    backend, for the model)."""
+
+    principal: Principal
+    raw: bytes
+    body: dict[str, Any]
+    asked_model: Any  # as the client named it
+    parsed: ChatCompletionRequest
+    chat_body: dict[str, Any]
+    tool_map: ToolMap
+    backend: ResponsesBackend | None  # set when the model's upstream speaks the Responses API itself
+
+
+async def _read(ctx: RequestContext) -> _Asked:
     request, gateway = ctx.request, ctx.gateway
     principal = await gateway.auth.authenticate(request.headers)
-    body = await read_json_body(request, gateway.settings.server.max_body_bytes)
+    raw = await read_body(request, gateway.settings.server.max_body_bytes)
+    body = parse_json(raw)
     validate_responses_request(body)
+    asked_model = body.get("model")
+    parsed = ChatCompletionRequest.model_construct(model=asked_model or "", messages=[],
+                                                   stream=bool(body.get("stream")), n=1)
+    name = choose_model(ctx, principal, parsed, body)
+    backend = None if name.startswith(AGENT_PREFIX) else gateway.router.backend_for(name)
+    native = backend if isinstance(backend, ResponsesBackend) else None
     history = None
     previous = body.get("previous_response_id")
     if previous:
         found = await stored_responses.get(gateway.store, previous, tenant=principal.tenant,
                                            all_tenants=principal.admin)
-        if found is None:
+        if found is None and native is None:  # a native upstream may hold what this gateway did not keep
             raise APIError(404, f"Previous response with id '{previous}' not found.", param="previous_response_id",
                            code="previous_response_not_found")
-        history = found["messages"]
-    chat_body, tool_map = responses_to_chat(body, history)
+        history = found["messages"] if found else None
+    chat_body, tool_map = responses_to_chat(body, history, lenient=native is not None)
+    if tool_map.dropped and native is None:
+        ctx.line.dropped_tools = [t.get("type") for t in tool_map.dropped]
+    return _Asked(principal, raw, body, asked_model, parsed, chat_body, tool_map, native)
+
+
+async def create_response(ctx: RequestContext) -> Response:
+    gateway = ctx.gateway
+    asked = await _read(ctx)
+    principal, body, chat_body, tool_map = asked.principal, asked.body, asked.chat_body, asked.tool_map
+    if asked.backend is not None:
+        return await _pass_through(ctx, asked, compact=False)
     stream = bool(body.get("stream"))
     chat_body["stream"] = stream
     if stream:
         chat_body["stream_options"] = {"include_usage": True}
     parsed = validate_chat_request(chat_body)
+    parsed.model = chat_body["model"]
     response_id = f"resp_{new_id().lower()}"
     created_at = int(time.time())
-    if tool_map.dropped:
-        ctx.line.dropped_tools = [t.get("type") for t in tool_map.dropped]
 
-    if choose_model(ctx, principal, parsed, chat_body).startswith(AGENT_PREFIX):
+    if parsed.model.startswith(AGENT_PREFIX):
         return await _agent_response(ctx, principal, body, chat_body, tool_map, response_id, created_at)
+    if asks_compaction(body):
+        return await compaction.answer_trigger(ctx, principal, body, chat_body, tool_map, response_id, created_at)
 
-    exchange = await open_exchange(ctx, principal, chat_body, parsed, session_body=body)
+    compacting = compacts(body)
+    exchange = await open_exchange(ctx, principal, chat_body, parsed, session_body=body,
+                                   compacted=compacting or is_compacted(body))
+    if compacting:
+        exchange.labels = {**exchange.labels, "purpose": "summary"}
     kept = _Kept(body, chat_body, tool_map, exchange.ref.id, principal)
     if not stream:
         def statements_for(result: ChatResult) -> list[Statement]:
@@ -115,6 +161,34 @@ async def create_response(ctx: RequestContext) -> Response:
     relay = Relay(ctx, exchange, upstream, include_usage=True)
     events = ResponseStream(response_id=response_id, request=body, tool_map=tool_map, created_at=created_at)
     return EventStreamResponse(_stream(relay, events, kept, gateway.store), headers=exchange.headers)
+
+
+async def compact_response(ctx: RequestContext) -> Response:
+    """``POST /v1/responses/compact``: a history in, a shorter one out (its user messages and one ``compaction``
+    item), from the native upstream or, on a chat backend, from the summarizer."""
+    asked = await _read(ctx)
+    if asked.parsed.model.startswith(AGENT_PREFIX):
+        raise APIError(400, f"'{asked.parsed.model}' is an agent profile; agent profiles do not compact.",
+                       param="model")
+    if asked.backend is not None:
+        return await _pass_through(ctx, asked, compact=True)
+    validate_chat_request(asked.chat_body)
+    return await compaction.answer_compact(ctx, asked.principal, asked.body, asked.chat_body,
+                                           f"resp_{new_id().lower()}", int(time.time()))
+
+
+async def _pass_through(ctx: RequestContext, asked: _Asked, *, compact: bool) -> Response:
+    assert asked.backend is not None
+    asked.parsed.messages = asked.chat_body["messages"]
+    body = asked.body
+    compacting = compact or compacts(body)
+    exchange = await open_exchange(ctx, asked.principal, asked.chat_body, asked.parsed, session_body=body,
+                                   compacted=compacting or is_compacted(body))
+    if compacting:
+        exchange.labels = {"purpose": "summary"}
+    kept = _Kept(body, asked.chat_body, asked.tool_map, exchange.ref.id, asked.principal)
+    return await pass_through_response(ctx, exchange, asked.backend, asked.raw, body, asked.asked_model,
+                                       asked.tool_map, kept.statements, compact=compact)
 
 
 async def _stream(relay: Relay, events: ResponseStream, kept: _Kept, store: TrajectoryStore) -> AsyncIterator[bytes]:

@@ -18,6 +18,10 @@ def build_backend(settings: BackendSettings) -> Backend:
         from gateway.backends.anthropic import AnthropicBackend
 
         return AnthropicBackend(settings)
+    if settings.kind == "openai-responses":
+        from gateway.backends.openai_responses import ResponsesBackend
+
+        return ResponsesBackend(settings)
     from gateway.backends.lora_servers import SGLangBackend, VLLMBackend
     from gateway.backends.openai_compat import OpenAICompatBackend
 

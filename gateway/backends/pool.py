@@ -24,7 +24,7 @@ import structlog
 
 from gateway.backends.base import Backend, BackendError, ChatRequest, ChatResult, ChunkStream, StreamView
 from gateway.backends.breaker import Breaker
-from gateway.config import BackendSettings, RoutingSettings
+from gateway.config import PASSED_THROUGH, BackendSettings, RoutingSettings
 from tools.settings import ConfigError
 
 log = structlog.get_logger()
@@ -236,9 +236,10 @@ def build_pools(backends: list[Backend], settings: list[BackendSettings], routin
         if len(group) == 1:
             models[model] = group[0].backend
             continue
-        anthropic = [m.name for m in group if kinds[m.name] == "anthropic"]
-        if anthropic:
-            raise ConfigError(f"model {model!r} is listed by several backends, {anthropic[0]!r} among them: an "
-                              "anthropic backend passes its requests through as they came and cannot share a model")
+        passed = [m.name for m in group if kinds[m.name] in PASSED_THROUGH]
+        if passed:
+            raise ConfigError(f"model {model!r} is listed by several backends, {passed[0]!r} among them: an "
+                              f"{kinds[passed[0]]} backend passes its requests through as they came and cannot "
+                              "share a model")
         models[model] = BackendPool(model, [(m, m.backend) for m in group])
     return members, models

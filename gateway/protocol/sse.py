@@ -42,3 +42,19 @@ def split_events(buffer: bytes) -> tuple[list[tuple[bytes, bytes | None]], bytes
         data = [line[5:].removeprefix(b" ") for line in raw.splitlines() if line.startswith(b"data:")]
         events.append((raw, b"\n".join(data) if data else None))
     return events, buffer[start:]
+
+
+def parse_events(buffer: bytes) -> tuple[list[tuple[bytes, dict[str, Any] | None]], bytes]:
+    """As ``split_events``, each event's data parsed as a JSON object (None when it is not one)."""
+    events, rest = split_events(buffer)
+    return [(raw, _json_object(data)) for raw, data in events], rest
+
+
+def _json_object(data: bytes | None) -> dict[str, Any] | None:
+    if data is None:
+        return None
+    try:
+        parsed = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return parsed if isinstance(parsed, dict) else None

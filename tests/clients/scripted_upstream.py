@@ -7,7 +7,10 @@ streamed. Its script, per request:
 
 * no ``tool`` message in the history yet: call the command-execution tool the request offers (found
   by name, its arguments shaped by that tool's JSON Schema) with the configured shell command;
-* a ``tool`` message present: answer with the final text ``done``.
+* a ``tool`` message present: answer with the final text ``done``;
+* no tools offered at all (the gateway's summary of a history it compacts): answer with ``SUMMARY_TEXT``.
+
+``first_prompt_tokens``: the prompt tokens the first answer reports (a large number makes Codex compact).
 
 Every request body it receives is kept in ``calls``, and each answer in ``answers``.
 """
@@ -26,6 +29,7 @@ from starlette.routing import Route
 
 CALL_ID = "call_scripted_1"
 FINAL_TEXT = "done"
+SUMMARY_TEXT = "Summary: the command was asked for; nothing else happened."
 
 # Command tools in the order they are preferred, as the clients name them.
 COMMAND_TOOLS = ("exec_command", "run_commands", "shell", "local_shell", "execute_command", "run_command",
@@ -86,9 +90,10 @@ def tool_results(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 class ScriptedUpstream:
-    def __init__(self, command: str, model: str = "stand-in-model") -> None:
+    def __init__(self, command: str, model: str = "stand-in-model", first_prompt_tokens: int | None = None) -> None:
         self.command = command
         self.model = model
+        self.first_prompt_tokens = first_prompt_tokens
         self.calls: list[dict[str, Any]] = []
         self.answers: list[dict[str, Any]] = []
         self.errors: list[str] = []
@@ -98,6 +103,8 @@ class ScriptedUpstream:
         """The assistant message for this request, and its finish reason."""
         if tool_results(body):
             return {"role": "assistant", "content": FINAL_TEXT}, "stop"
+        if not body.get("tools"):
+            return {"role": "assistant", "content": SUMMARY_TEXT}, "stop"
         name, args = pick_command_tool(body, self.command)
         return {"role": "assistant", "content": None, "tool_calls": [{
             "id": CALL_ID, "type": "function",
@@ -115,7 +122,8 @@ class ScriptedUpstream:
                                                     "code": None}}),
                             status_code=400, media_type="application/json")
         self.answers.append(message)
-        usage = {"prompt_tokens": 100 + 10 * len(self.calls), "completion_tokens": 7, "total_tokens": 0}
+        prompt = self.first_prompt_tokens if self.first_prompt_tokens and len(self.calls) == 1 else None
+        usage = {"prompt_tokens": prompt or 100 + 10 * len(self.calls), "completion_tokens": 7, "total_tokens": 0}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         base = {"id": f"chatcmpl-scripted-{len(self.calls)}", "created": int(time.time()),
                 "model": body.get("model") or self.model}

@@ -178,7 +178,7 @@ check_for_update_on_startup = false
 web_search = "disabled"
 
 [model_providers.harness]
-name = "agent-harness gateway"
+name = "{provider_name}"
 base_url = "{base_url}"
 wire_api = "responses"
 env_key = "HARNESS_API_KEY"
@@ -205,11 +205,13 @@ shell_snapshot = false
 """
 
 
-def codex_home(path: Path, base_url: str, model: str, catalog: Path | None = None) -> Path:
+def codex_home(path: Path, base_url: str, model: str, catalog: Path | None = None,
+               provider_name: str = "agent-harness gateway") -> Path:
     """A ``CODEX_HOME`` whose config.toml points Codex at ``base_url`` (the gateway's ``/v1``); with ``catalog``, a
-    model catalog (``model_catalog_json``) in place of Codex's own."""
+    model catalog (``model_catalog_json``) in place of Codex's own. A provider named "OpenAI" makes Codex compact
+    with a ``compaction_trigger`` request; any other name, with a summary request of its own."""
     path.mkdir(parents=True, exist_ok=True)
-    config = CODEX_CONFIG.format(model=model, base_url=base_url)
+    config = CODEX_CONFIG.format(model=model, base_url=base_url, provider_name=provider_name)
     if catalog is not None:
         config = f"model_catalog_json = {json.dumps(str(catalog))}\n" + config
     (path / "config.toml").write_text(config)
@@ -347,7 +349,7 @@ class Stack:
 class stack:  # noqa: N801 - used as a context manager, like open()
     """Start the scripted model, a real gateway process in front of it, and the deny-all proxy."""
 
-    def __init__(self, upstream: Any, workdir: Path, extra_config: str = "") -> None:
+    def __init__(self, upstream: Any, workdir: Path, extra_config: str = "", kind: str = "openai") -> None:
         from tests.processes import GatewayProcess, upstream_config
         from tests.standin import ServerThread
 
@@ -358,6 +360,7 @@ class stack:  # noqa: N801 - used as a context manager, like open()
         self._gateway_cls = GatewayProcess
         self._config = upstream_config
         self._extra = extra_config
+        self._kind = kind
         self._gateway: Any = None
 
     def __enter__(self) -> Stack:
@@ -365,7 +368,8 @@ class stack:  # noqa: N801 - used as a context manager, like open()
         self._proxy.__enter__()
         try:
             self._workdir.mkdir(parents=True, exist_ok=True)
-            self._gateway = self._gateway_cls(self._config(self._server.url, extra=self._extra), self._workdir).start()
+            config = self._config(self._server.url, extra=self._extra, kind=self._kind)
+            self._gateway = self._gateway_cls(config, self._workdir).start()
         except BaseException:
             self._proxy.__exit__(None, None, None)
             self._server.__exit__(None, None, None)

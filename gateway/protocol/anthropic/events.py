@@ -1,5 +1,5 @@
 """Reading an Anthropic upstream's stream while passing it on: events split from the bytes as they come, each kept
-byte for byte, and the Message they build, for the record.
+byte for byte (``protocol.sse.parse_events``), and the Message they build, for the record.
 
 Unknown event, block and delta types are kept as they came (a block) or skipped (a delta): what a new release
 adds reaches the client untouched either way, since the bytes go on as they are.
@@ -9,27 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
 from gateway.protocol.anthropic.from_chat import tool_input
-from gateway.protocol.sse import split_events
-
-
-def parse_sse(buffer: bytes) -> tuple[list[tuple[bytes, dict[str, Any] | None]], bytes]:
-    """The complete events at the start of ``buffer`` (each as its raw bytes, blank line included, and its data
-    parsed as JSON, or None), and the bytes of the event not yet complete."""
-    events, rest = split_events(buffer)
-    return [(raw, _json_object(data)) for raw, data in events], rest
-
-
-def _json_object(data: bytes | None) -> dict[str, Any] | None:
-    if data is None:
-        return None
-    try:
-        parsed = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return None
-    return parsed if isinstance(parsed, dict) else None
 
 
 class MessageAccumulator:

@@ -1,7 +1,8 @@
 """A chat-completions stream as a Responses event stream.
 
-A stream always ends with ``response.completed`` -- also for an incomplete response, whose status says
-so: Codex treats OpenAI's ``response.incomplete`` event as a failed stream -- or with ``response.failed``.
+A stream ends as OpenAI's do: ``response.completed``, ``response.incomplete`` (the output was cut short:
+``max_output_tokens``, a content filter; Codex fails the turn on it, as it does against OpenAI) or
+``response.failed``.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ class ResponseStream:
     """Chat-completion chunks in, Responses stream events out: a pure state machine.
 
     ``start()`` gives ``response.created`` and ``response.in_progress``; ``feed(chunk)`` the events a
-    chunk causes; then the caller MUST call exactly one of ``finish()`` (``response.completed``, with the
-    usage of the stream's usage chunk) or ``fail(code, message)`` (``response.failed``), or the client sees
+    chunk causes; then the caller MUST call exactly one of ``finish()`` (``response.completed``, or
+    ``response.incomplete`` when the output was cut short, with the usage of the stream's usage chunk) or
+    ``fail(code, message)`` (``response.failed``), or the client sees
     a stream without an end -- Codex treats that as an error. Calls after the end give no events.
     ``feed``/``finish``/``fail`` start the stream themselves if ``start`` was not called.
 
@@ -123,7 +125,7 @@ class ResponseStream:
         out += self._close_current("incomplete" if incomplete else "completed")
         self._ended = True
         self.response.update(status=status, incomplete_details=incomplete, usage=response_usage(self._usage))
-        out.append(self._snapshot_event("response.completed"))
+        out.append(self._snapshot_event("response.incomplete" if incomplete else "response.completed"))
         return out
 
     def fail(self, code: str, message: str) -> list[dict[str, Any]]:
@@ -152,6 +154,14 @@ class ResponseStream:
         """An ``error`` event, OpenAI's way to end a stream that will not complete (whatever was sent before)."""
         self._ended = True
         return [self._event("error", code=code, message=message, param=None)]
+
+    def add_item(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        """A whole item made at once (a ``compaction`` item): added and done, closing whatever was open."""
+        if self._ended:
+            return []
+        out = self.start() + self._close_current("completed")
+        index, added = self._open(item)
+        return [*out, added, self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item))]
 
     # items
 

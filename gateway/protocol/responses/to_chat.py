@@ -6,7 +6,9 @@ items become assistant ``tool_calls`` (consecutive calls, and the assistant text
 share one assistant message), their outputs become ``tool`` messages. Chat backends reject a history in
 which a tool call is not followed at once by its result, so results are moved next to their calls; a call
 without its output, or an output without its call, is a 400, as OpenAI answers it.
-``reasoning``, ``item_reference``, ``web_search_call`` and every other item type are dropped.
+A ``compaction`` item this gateway made (``compaction.py``) becomes the user message holding its summary;
+``reasoning``, ``item_reference``, ``web_search_call``, a compaction item made elsewhere and every other item type
+are dropped.
 """
 
 from __future__ import annotations
@@ -16,20 +18,25 @@ from typing import Any
 import orjson
 
 from gateway.errors import APIError
+from gateway.protocol.responses.compaction import ITEM_TYPES as COMPACTION_ITEMS
+from gateway.protocol.responses.compaction import summary_message, summary_of
 from gateway.protocol.responses.tools import ToolMap
 from gateway.protocol.responses.validation import _ROLES
 
 LOCAL_SHELL_FUNCTION = "local_shell"
 
 
-def responses_to_chat(body: dict[str, Any], history: list[dict[str, Any]] | None = None
-                      ) -> tuple[dict[str, Any], ToolMap]:
+def responses_to_chat(body: dict[str, Any], history: list[dict[str, Any]] | None = None, *,
+                      lenient: bool = False) -> tuple[dict[str, Any], ToolMap]:
     """A validated Responses request as a chat-completions request, and the map of its tools.
 
     ``history``: the chat messages of the conversation so far when the request continues an earlier
     response (``previous_response_id``) -- ``conversation_messages(...)`` of that response's request plus
     ``output_to_chat_messages(...)`` of that response; they go after the instructions, before the input.
     ``stream`` / ``stream_options`` are left to the caller. Raises a 400 when nothing is left to send.
+    ``lenient``: for the record of a request passed through as it came (whose upstream may hold what the request
+    refers to): a call without its output or an output without its call is left out, a tool choice naming no tool
+    is ``auto``, and no message at all is no error.
     """
     tool_map = ToolMap()
     inp = body.get("input")
@@ -51,13 +58,18 @@ def responses_to_chat(body: dict[str, Any], history: list[dict[str, Any]] | None
         messages.append({"role": "user", "content": inp})
     else:
         messages += _items_to_messages(items, tool_map)
-    messages = _pair_tool_results(messages)
-    if not messages:
+    messages = _pair_tool_results(messages, lenient)
+    if not messages and not lenient:
         raise APIError(400, "The request has no input to send to the model.", param="input", code="invalid_value")
 
     chat: dict[str, Any] = {"model": body["model"], "messages": messages}
     tools = tool_map.chat_tools
-    choice = _tool_choice(body.get("tool_choice"), tool_map)
+    try:
+        choice = _tool_choice(body.get("tool_choice"), tool_map)
+    except APIError:
+        if not lenient:
+            raise
+        choice = "auto"
     if isinstance(choice, tuple):  # allowed_tools: a mode and the names it allows
         mode, allowed = choice
         tools = [t for t in tools if t["function"]["name"] in allowed]
@@ -232,6 +244,10 @@ def _items_to_messages(items: list[Any], tool_map: ToolMap | None) -> list[dict[
             if images:
                 message["_images"] = images
             messages.append(message)
+        elif kind in COMPACTION_ITEMS:
+            summary = summary_of(item)
+            if summary is not None:
+                messages.append(summary_message(summary))
         # reasoning, item_reference, web_search_call, additional_tools (its tools are taken above) and any
         # other item type: nothing a chat backend can be given
     return messages
@@ -246,8 +262,9 @@ def _add_call(messages: list[dict[str, Any]], call_id: str, name: str, arguments
         messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
 
 
-def _pair_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each assistant message with tool calls followed at once by one result per call, in call order."""
+def _pair_tool_results(messages: list[dict[str, Any]], lenient: bool = False) -> list[dict[str, Any]]:
+    """Each assistant message with tool calls followed at once by one result per call, in call order (``lenient``:
+    what cannot be paired is left out rather than refused)."""
     results: dict[str, list[dict[str, Any]]] = {}
     for message in messages:
         if message.get("role") == "tool":
@@ -255,7 +272,7 @@ def _pair_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     made = {call.get("id") or "" for m in messages if m.get("role") == "assistant"
             for call in m.get("tool_calls") or ()}
     orphans = sorted(results.keys() - made)
-    if orphans:
+    if orphans and not lenient:
         raise APIError(400, f"No tool call found for function call output with call_id {orphans[0][:64]}.",
                        param="input")
     out: list[dict[str, Any]] = []
@@ -268,6 +285,12 @@ def _pair_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             message.pop("tool_calls", None)
             if not _text_of(message.get("content")):
                 continue  # an empty assistant turn (say, only reasoning) is nothing to a backend
+        if lenient and calls:
+            calls = message["tool_calls"] = [c for c in calls if results.get(c.get("id") or "")]
+            if not calls:
+                message.pop("tool_calls")
+                if not _text_of(message.get("content")):
+                    continue
         out.append(message)
         if not calls:
             continue
@@ -275,6 +298,8 @@ def _pair_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for call in calls:
             queue = results.get(call.get("id") or "")
             if not queue:
+                if lenient:
+                    continue
                 raise APIError(400, f"No tool output found for function call {(call.get('id') or '')[:64]}.",
                                param="input")
             result = dict(queue.pop(0))

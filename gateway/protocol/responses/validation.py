@@ -143,9 +143,9 @@ _ITEMS: dict[str, type[BaseModel]] = {
 # gives a chat backend messages, calls and their outputs, and drops the rest.
 _ITEM_TYPES = (*_ITEMS, "local_shell_call", "local_shell_call_output", "shell_call", "shell_call_output",
                "apply_patch_call", "apply_patch_call_output", "reasoning", "compaction", "compaction_summary",
-               "item_reference", "additional_tools", "web_search_call", "file_search_call", "computer_call",
-               "computer_call_output", "image_generation_call", "code_interpreter_call", "mcp_list_tools",
-               "mcp_approval_request", "mcp_approval_response", "mcp_call", "tool_search_call",
+               "compaction_trigger", "item_reference", "additional_tools", "web_search_call", "file_search_call",
+               "computer_call", "computer_call_output", "image_generation_call", "code_interpreter_call",
+               "mcp_list_tools", "mcp_approval_request", "mcp_approval_response", "mcp_call", "tool_search_call",
                "tool_search_output")
 
 

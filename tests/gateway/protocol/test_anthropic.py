@@ -22,12 +22,11 @@ from gateway.protocol.anthropic import (
     estimate_tokens,
     message_to_chat,
     messages_to_chat,
-    parse_sse,
     session_id,
     side_request_kind,
     validate_messages_request,
 )
-from gateway.protocol.sse import encode_named_event
+from gateway.protocol.sse import encode_named_event, parse_events
 
 EVENT = TypeAdapter(RawMessageStreamEvent)
 WRITE = {"name": "write_file", "description": "Write a file.",
@@ -275,7 +274,7 @@ def test_an_upstream_stream_split_anywhere_is_kept_byte_for_byte_and_read_whole(
     for size in (1, 7, 64, len(wire)):
         acc, kept, buffer = MessageAccumulator(), [], b""
         for i in range(0, len(wire), size):
-            events, buffer = parse_sse(buffer + wire[i:i + size])
+            events, buffer = parse_events(buffer + wire[i:i + size])
             for raw, event in events:
                 kept.append(raw)
                 if event is not None:
