@@ -31,14 +31,26 @@ def _answer(text: str) -> dict:
 
 
 async def _call(store: TrajectoryStore, messages: list[dict], answer: str, *, session: str | None = None,
-                tenant: str | None = None) -> str:
+                tenant: str | None = None, compacted: bool = False) -> str:
     prefix = hashing.prefix_hashes(messages)
     ref = await store.stitch(session_key=session, prefix=prefix, anchor=prefix[hashing.anchor_index(messages)],
-                              tenant=tenant)
+                              tenant=tenant, compacted=compacted)
     await store.record(CallRecord(trajectory=ref, request_messages=messages, request_prefix=prefix, status="ok",
                                   tenant=tenant, response=_answer(answer), prompt_tokens=1, completion_tokens=1,
                                   prompt_token_ids=[1, 2, 3], completion_token_ids=[[4, 5]]))
     return ref.id
+
+
+async def test_a_compacted_history_goes_on_in_its_session(store_location: str) -> None:
+    """A history its client shortened (a compaction) extends the session's trajectory; any other history that does
+    not extend it forks, as before."""
+    store = await _open(store_location)
+    t1 = await _call(store, [SYSTEM, {"role": "user", "content": "hi"}], "hello", session="s")
+    shortened = [SYSTEM, {"role": "user", "content": "Summary: we said hello."}]
+    assert await _call(store, shortened, "ok", session="s", compacted=True) == t1
+    assert await _call(store, [SYSTEM, {"role": "user", "content": "something else"}], "no", session="s") != t1
+    whole = await store.get_trajectory(t1, all_tenants=True)
+    assert [c.seq for c in whole.calls] == [0, 1]
 
 
 async def test_resent_history_extends_and_edit_forks(store_location: str) -> None:
