@@ -86,13 +86,28 @@ def running_statement(message_id: str, trajectory_id: str) -> Statement:
 
 
 async def set_outcome(store: TrajectoryStore, message_id: str, *, status: str, reply: str | None = None,
-                      harness: dict[str, Any] | None = None, model_call_seq: int | None = None) -> dict[str, Any]:
-    [row] = await store._change_returning(
-        """UPDATE bot_messages SET status = ?, reply = COALESCE(?, reply), harness = COALESCE(?, harness),
-               model_call_seq = COALESCE(?, model_call_seq), updated_at = ? WHERE id = ? RETURNING *""",
+                      harness: dict[str, Any] | None = None, model_call_seq: int | None = None,
+                      only_from: tuple[str, ...] | None = None) -> dict[str, Any] | None:
+    """The message's outcome set, and its row. ``only_from``: only while its status is one of these (None, and
+    nothing changed, otherwise: another process answered it first). A delivered reply is never set again."""
+    allowed = only_from or (QUEUED, RUNNING, PENDING_APPROVAL, ANSWERED, FAILED)
+    rows = await store._change_returning(
+        f"""UPDATE bot_messages SET status = ?, reply = COALESCE(?, reply), harness = COALESCE(?, harness),
+               model_call_seq = COALESCE(?, model_call_seq), updated_at = ?
+               WHERE id = ? AND status IN ({", ".join("?" * len(allowed))}) RETURNING *""",
         (status, reply, orjson.dumps(harness).decode() if harness else None, model_call_seq, time.time(),
-         message_id))
-    return row
+         message_id, *allowed))
+    if rows or only_from:
+        return rows[0] if rows else None
+    return await get(store, message_id)
+
+
+async def claim_delivery(store: TrajectoryStore, row: dict[str, Any]) -> bool:
+    """Whether this process sends an answered message's reply: the first to move its ``updated_at`` on from what it
+    read does; any other process that read the same row finds it moved and leaves the reply to that one."""
+    return bool(await store._change_returning(
+        "UPDATE bot_messages SET updated_at = ? WHERE id = ? AND status = ? AND updated_at = ? RETURNING id",
+        (time.time(), row["id"], ANSWERED, row["updated_at"])))
 
 
 async def set_delivery(store: TrajectoryStore, message_id: str, *, delivered: bool, attempts: int,

@@ -183,7 +183,7 @@ class BotService:
                                                   reply=WAITING.format(calls=calls), harness=loop.state.harness())
         loop.state.add_user_turn(message["text"])
         await self._record_turn(recorder, loop.state, message)
-        return await self._answered(message["id"], await loop.run())
+        return await self._answered_here(message, await loop.run())
 
     async def _first_turn(self, message: dict[str, Any], profile: str) -> dict[str, Any]:
         """A new conversation: a new run, and the conversation pointing at it, committed with the first turn."""
@@ -196,7 +196,7 @@ class BotService:
             await recorder.start(loop.state)
             await self._record_turn(recorder, loop.state, message,
                                     also=[bot_messages.conversation_statement(message, run_id)])
-            return await self._answered(message["id"], await loop.run())
+            return await self._answered_here(message, await loop.run())
 
     @staticmethod
     async def _record_turn(recorder: StoreRecorder, state: RunState, message: dict[str, Any],
@@ -208,19 +208,32 @@ class BotService:
         await recorder.step(state, record, also=[bot_messages.running_statement(message["id"], state.run_id),
                                                  *(also or [])])
 
-    async def _answered(self, message_id: str, state: RunState) -> dict[str, Any]:
+    async def _answered(self, message_id: str, state: RunState) -> dict[str, Any] | None:
+        """The message answered from its run's state, if it still waited for it: None when another process that
+        found the same run ended answered it first (that one delivers the reply)."""
+        waiting = (bot_messages.RUNNING, bot_messages.PENDING_APPROVAL)
         if state.status == "pending_approval":
             return await bot_messages.set_outcome(self.store, message_id, status=bot_messages.PENDING_APPROVAL,
-                                              harness=state.harness())
+                                                  harness=state.harness(), only_from=waiting)
         reply = state.final or (STOPPED.format(reason=state.termination_reason) if state.termination_reason else SORRY)
         return await bot_messages.set_outcome(self.store, message_id, status=bot_messages.ANSWERED, reply=reply,
-                                          harness=state.harness(), model_call_seq=max(0, state.model_calls - 1))
+                                              harness=state.harness(), model_call_seq=max(0, state.model_calls - 1),
+                                              only_from=waiting)
+
+    async def _answered_here(self, message: dict[str, Any], state: RunState) -> dict[str, Any]:
+        row = await self._answered(message["id"], state)
+        return row if row is not None else {**message, ANSWERED_ELSEWHERE: True}
+
+    async def _deliver_answered(self, message_id: str, state: RunState) -> None:
+        row = await self._answered(message_id, state)
+        if row is not None:
+            await self.deliver(row)
 
     async def _resumed(self, state: RunState) -> None:
         """A run went on after approval (or after a restart): its waiting messages get their replies."""
         for row in await bot_messages.of_run(self.store, state.run_id,
                                              (bot_messages.RUNNING, bot_messages.PENDING_APPROVAL)):
-            await self.deliver(await self._answered(row["id"], state))
+            await self._deliver_answered(row["id"], state)
 
     # -- replies out --------------------------------------------------------------------------------
 
@@ -235,6 +248,8 @@ class BotService:
         current = await bot_messages.get(self.store, row["id"])
         if current is None or current["status"] != bot_messages.ANSWERED:
             return
+        if not await bot_messages.claim_delivery(self.store, current):
+            return  # another process is sending it
         attempts = 0
         retrying = AsyncRetrying(stop=stop_after_attempt(self.settings.callback_attempts),
                                  wait=wait_exponential(multiplier=self.settings.callback_backoff_seconds, max=300),
@@ -298,5 +313,5 @@ class BotService:
         # one that finishes it delivers the reply.
         if loaded is not None and loaded[0].state.status not in ("interrupted", "pending_approval", "running"):
             # The run had ended before the stop; only its message was not updated.
-            await self.deliver(await self._answered(row["id"], loaded[0].state))
+            await self._deliver_answered(row["id"], loaded[0].state)
 
