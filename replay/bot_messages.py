@@ -102,12 +102,19 @@ async def set_outcome(store: TrajectoryStore, message_id: str, *, status: str, r
     return await get(store, message_id)
 
 
-async def claim_delivery(store: TrajectoryStore, row: dict[str, Any]) -> bool:
-    """Whether this process sends an answered message's reply: the first to move its ``updated_at`` on from what it
-    read does; any other process that read the same row finds it moved and leaves the reply to that one."""
+async def claim_delivery(store: TrajectoryStore, message_id: str, *, now: float, until: float) -> bool:
+    """Whether this process sends an answered message's reply now: it may, unless another one's claim still runs.
+    The claim holds until ``until`` (``renew_delivery`` moves it on while sending); a process stopped mid-way
+    leaves the message answered, and its claim runs out for another to take."""
     return bool(await store._change_returning(
-        "UPDATE bot_messages SET updated_at = ? WHERE id = ? AND status = ? AND updated_at = ? RETURNING id",
-        (time.time(), row["id"], ANSWERED, row["updated_at"])))
+        "UPDATE bot_messages SET delivery_claimed_until = ? WHERE id = ? AND status = ? "
+        "AND (delivery_claimed_until IS NULL OR delivery_claimed_until <= ?) RETURNING id",
+        (until, message_id, ANSWERED, now)))
+
+
+async def renew_delivery(store: TrajectoryStore, message_id: str, *, until: float) -> None:
+    await store._change_returning(
+        "UPDATE bot_messages SET delivery_claimed_until = ? WHERE id = ? RETURNING id", (until, message_id))
 
 
 async def set_delivery(store: TrajectoryStore, message_id: str, *, delivered: bool, attempts: int,

@@ -322,6 +322,11 @@ MIGRATIONS: list[str] = [
     CREATE INDEX trajectories_parent ON trajectories(parent_id);
     CREATE INDEX trajectories_status ON trajectories(status, id);
     """,
+    # 14: while a process sends a bot reply, until when no other may (it renews the claim each attempt); a reply
+    # answered but never claimed, or whose claim ran out, is sent by whichever process finds it.
+    """
+    ALTER TABLE bot_messages ADD COLUMN delivery_claimed_until REAL;
+    """,
 ]
 
 # Where PostgreSQL's text differs by more than its types: migration number -> what it runs instead.

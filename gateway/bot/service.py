@@ -47,6 +47,7 @@ SORRY = "Sorry, something went wrong on my side and I could not answer. Please t
 WAITING = ("I am waiting for a person to approve {calls} before I can go on. Send your message again once it is "
            "decided.")
 STOPPED = "I had to stop before I could finish ({reason})."
+MAX_BACKOFF_SECONDS = 300.0  # the longest wait between two tries of a callback
 
 Spawn = Callable[..., asyncio.Task[Any]]
 
@@ -248,17 +249,27 @@ class BotService:
         current = await bot_messages.get(self.store, row["id"])
         if current is None or current["status"] != bot_messages.ANSWERED:
             return
-        if not await bot_messages.claim_delivery(self.store, current):
-            return  # another process is sending it
+        # Another replica may be sending it (found answered by a recovery while its answerer delivers): wait out
+        # that one's claim, and send it only if it is still undelivered then (its sender stopped mid-way).
+        while not await bot_messages.claim_delivery(self.store, row["id"], now=time.time(),
+                                                    until=time.time() + self._claim_seconds):
+            current = await bot_messages.get(self.store, row["id"])
+            if current is None or current["status"] != bot_messages.ANSWERED:
+                return
+            await asyncio.sleep(max(0.05, (current["delivery_claimed_until"] or 0) - time.time()))
         attempts = 0
         retrying = AsyncRetrying(stop=stop_after_attempt(self.settings.callback_attempts),
-                                 wait=wait_exponential(multiplier=self.settings.callback_backoff_seconds, max=300),
+                                 wait=wait_exponential(multiplier=self.settings.callback_backoff_seconds,
+                                                       max=MAX_BACKOFF_SECONDS),
                                  retry=retry_if_exception(lambda e: isinstance(e, DeliveryError) and e.retryable),
                                  reraise=True)
         try:
             async for attempt in retrying:
                 with attempt:
                     attempts += 1
+                    if attempts > 1:
+                        await bot_messages.renew_delivery(self.store, row["id"],
+                                                          until=time.time() + self._claim_seconds)
                     sent = await platform.deliver(row)
         except DeliveryError as exc:
             log.warning("bot.delivery_failed", message_id=row["id"], platform=row["platform"], attempts=attempts,
@@ -268,6 +279,11 @@ class BotService:
         if sent:
             log.info("bot.delivered", message_id=row["id"], platform=row["platform"], attempts=attempts)
             await bot_messages.set_delivery(self.store, row["id"], delivered=True, attempts=attempts, error=None)
+
+    @property
+    def _claim_seconds(self) -> float:
+        """How long a claim to send a reply holds: one attempt and the longest wait before the next."""
+        return self.settings.callback_timeout_seconds + MAX_BACKOFF_SECONDS + 30.0
 
     async def mark_delivered(self, row: dict[str, Any]) -> dict[str, Any]:
         """The reply went back another way: in the response to the request itself, or to a poll."""

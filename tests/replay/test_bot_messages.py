@@ -28,14 +28,15 @@ async def test_only_the_first_answer_of_a_waiting_message_counts(store: Trajecto
     assert again is not None and (again["status"], again["reply"]) == (bot_messages.DELIVERED, "one")
 
 
-async def test_one_process_claims_an_answered_reply_to_send(store: TrajectoryStore) -> None:
+async def test_one_process_at_a_time_claims_an_answered_reply_to_send(store: TrajectoryStore) -> None:
     message = await _running(store)
     await bot_messages.set_outcome(store, message["id"], status=bot_messages.ANSWERED, reply="one")
-    read = await bot_messages.get(store, message["id"])
-    assert read is not None
-    assert await bot_messages.claim_delivery(store, read)
-    assert not await bot_messages.claim_delivery(store, read)  # read by another process at the same moment
-    # Not sent after all (its process stopped): still answered, so a recovery that reads it anew sends it.
-    fresh = await bot_messages.get(store, message["id"])
-    assert fresh is not None and fresh["status"] == bot_messages.ANSWERED
-    assert await bot_messages.claim_delivery(store, fresh)
+    assert await bot_messages.claim_delivery(store, message["id"], now=100.0, until=200.0)
+    # Another process finds it answered while the first sends it: not before the first one's claim runs out.
+    assert not await bot_messages.claim_delivery(store, message["id"], now=150.0, until=250.0)
+    await bot_messages.renew_delivery(store, message["id"], until=300.0)
+    assert not await bot_messages.claim_delivery(store, message["id"], now=250.0, until=350.0)
+    # The first stopped mid-way: the message is still answered, and once its claim ran out another sends it.
+    assert await bot_messages.claim_delivery(store, message["id"], now=300.0, until=400.0)
+    await bot_messages.set_delivery(store, message["id"], delivered=True, attempts=1, error=None)
+    assert not await bot_messages.claim_delivery(store, message["id"], now=1000.0, until=1100.0)

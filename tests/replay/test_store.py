@@ -423,7 +423,8 @@ async def test_a_store_from_before_the_search_index_is_searchable_after_its_upgr
             ALTER TABLE model_calls DROP COLUMN native_api; ALTER TABLE model_calls DROP COLUMN native_bodies;
             DROP INDEX model_calls_created; ALTER TABLE model_calls DROP COLUMN cost_usd;
             ALTER TABLE api_keys DROP COLUMN limits; DROP TABLE console_sessions; DROP TABLE training_runs;
-            DROP INDEX trajectories_parent; DROP INDEX trajectories_status; PRAGMA user_version = 9;""")
+            DROP INDEX trajectories_parent; DROP INDEX trajectories_status;
+            ALTER TABLE bot_messages DROP COLUMN delivery_claimed_until; PRAGMA user_version = 9;""")
     store = await _open(tmp_path / "old.db")
     try:
         assert [t.id for t in await store.search("eiffel")] == [tid]
