@@ -218,6 +218,18 @@ def codex_home(path: Path, base_url: str, model: str, catalog: Path | None = Non
     return path
 
 
+DOCUMENTED_CATALOG = Path(__file__).resolve().parents[2] / "docs" / "codex" / "model_catalog.json"
+
+
+def documented_catalog(folder: Path, model: str) -> tuple[Path, dict[str, Any]]:
+    """docs/codex/model_catalog.json with its model renamed to ``model`` (context 8,192, compaction at 6,144), written
+    in ``folder``; and its entry."""
+    entry = {**json.loads(DOCUMENTED_CATALOG.read_text())["models"][0], "slug": model}
+    path = folder / "catalog.json"
+    path.write_text(json.dumps({"models": [entry]}))
+    return path, entry
+
+
 def codex_exec_argv(codex: Path, workdir: Path, prompt: str) -> list[str]:
     return [str(codex), "exec", "--json", "--strict-config", "--skip-git-repo-check",
             "--dangerously-bypass-approvals-and-sandbox", "-C", str(workdir), prompt]

@@ -21,6 +21,7 @@ from tests.clients.support import (
     client_env,
     codex_exec_argv,
     codex_home,
+    documented_catalog,
     json_lines,
     recorded_session,
     require_cli,
@@ -36,21 +37,13 @@ COMMAND = f"echo {MARKER} > marker.txt"
 PROMPT = f"Create marker.txt by running this shell command: {COMMAND}"
 
 
-CATALOG = Path(__file__).resolve().parents[2] / "docs" / "codex" / "model_catalog.json"
-
-
-@pytest.mark.parametrize("documented_catalog", [False, True], ids=["codex-catalog", "documented-catalog"])
-def test_codex_runs_a_command_through_the_gateway(tmp_path: Path, documented_catalog: bool) -> None:
+@pytest.mark.parametrize("documented", [False, True], ids=["codex-catalog", "documented-catalog"])
+def test_codex_runs_a_command_through_the_gateway(tmp_path: Path, documented: bool) -> None:
     codex = require_cli("codex")
     upstream = ScriptedUpstream(COMMAND, model=MODEL)
     work = tmp_path / "work"
     work.mkdir()
-    catalog, entry = None, None
-    if documented_catalog:  # docs/codex/model_catalog.json, its model renamed to the one served here
-        models = json.loads(CATALOG.read_text())["models"]
-        entry = {**models[0], "slug": MODEL}
-        catalog = tmp_path / "catalog.json"
-        catalog.write_text(json.dumps({"models": [entry]}))
+    catalog, entry = documented_catalog(tmp_path, MODEL) if documented else (None, None)
     with stack(upstream, tmp_path / "gateway") as s:
         home = codex_home(tmp_path / "codex-home", s.gateway.url + "/v1", MODEL, catalog)
         env = client_env(tmp_path / "home", s.proxy, CODEX_HOME=str(home), HARNESS_API_KEY="sk-test")

@@ -22,6 +22,7 @@ from tests.clients.support import (
     client_env,
     codex_exec_argv,
     codex_home,
+    documented_catalog,
     json_lines,
     require_cli,
     run_cli,
@@ -36,23 +37,13 @@ MODEL = "stand-in-model"
 MARKER = "codex-native-was-here"
 COMMAND = f"echo {MARKER} > marker.txt"
 PROMPT = f"Create marker.txt by running this shell command: {COMMAND}"
-CATALOG = Path(__file__).resolve().parents[2] / "docs" / "codex" / "model_catalog.json"
-
-
-def _catalog(tmp_path: Path) -> Path:
-    """The documented catalog, its model renamed to the one served here (context 8,192, compaction at 6,144)."""
-    entry = {**json.loads(CATALOG.read_text())["models"][0], "slug": MODEL}
-    path = tmp_path / "catalog.json"
-    path.write_text(json.dumps({"models": [entry]}))
-    return path
-
-
 def _run(tmp_path: Path, upstream, *, kind: str, provider_name: str = "agent-harness gateway"):
     codex = require_cli("codex")
     work = tmp_path / "work"
     work.mkdir()
     with stack(upstream, tmp_path / "gateway", kind=kind) as s:
-        home = codex_home(tmp_path / "codex-home", s.gateway.url + "/v1", MODEL, _catalog(tmp_path), provider_name)
+        catalog, _ = documented_catalog(tmp_path, MODEL)
+        home = codex_home(tmp_path / "codex-home", s.gateway.url + "/v1", MODEL, catalog, provider_name)
         env = client_env(tmp_path / "home", s.proxy, CODEX_HOME=str(home), HARNESS_API_KEY="sk-test")
         done = run_cli(codex_exec_argv(codex, work, PROMPT), cwd=work, env=env, timeout=200)
         explain = s.explain(done)
