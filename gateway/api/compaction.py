@@ -17,6 +17,7 @@ from gateway.api.exchange import Exchange, complete, open_exchange
 from gateway.auth import Principal
 from gateway.backends.base import ChatResult
 from gateway.context import RequestContext
+from gateway.errors import APIError
 from gateway.protocol.chat import validate_chat_request
 from gateway.protocol.responses import ResponseStream, ToolMap, chat_to_response, response_usage
 from gateway.protocol.responses.compaction import compacted_response, compaction_item, kept_user_messages
@@ -34,6 +35,8 @@ async def summarize(ctx: RequestContext, principal: Principal, body: dict[str, A
     """The summary of a translated history (the model's, or an extractive one when it answers nothing), the call
     that made it, and its exchange: in the session's trajectory, which goes on past the compaction."""
     history = [m for m in chat_body["messages"] if m.get("role") != "system"]
+    if not history:
+        raise APIError(400, "The input has no conversation to compact.", param="input", code="invalid_value")
     request = {"model": chat_body["model"], "max_tokens": SUMMARY_TOKENS,
                "messages": context.summary_request(history, SOURCE_CHARS)}
     exchange = await open_exchange(ctx, principal, request, validate_chat_request(request), session_body=body,

@@ -29,6 +29,7 @@ from tests.clients.support import (
     stack,
     wait_for_calls,
 )
+from tests.processes import harness_cli
 from tests.standins.responses import FINAL_TEXT, SUMMARY, ResponsesUpstream, encrypted
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -53,7 +54,7 @@ def _run(tmp_path: Path, upstream, *, kind: str, provider_name: str = "agent-har
         assert not any(e.get("type") in ("turn.failed", "error") for e in events), explain
         store = wait_for_calls(s.gateway.db, len(upstream.calls))
         assert s.proxy.attempts == [], f"Codex tried to leave the machine: {s.proxy.attempts}"
-        return events, store, s.gateway.db, explain
+        return events, store, s.gateway, explain
 
 
 def _natives(db: Path) -> list[tuple[str, str | None]]:
@@ -66,7 +67,7 @@ def _natives(db: Path) -> list[tuple[str, str | None]]:
 
 def test_codex_through_the_gateway_to_a_native_upstream_keeps_reasoning_whole(tmp_path: Path) -> None:
     upstream = ResponsesUpstream(COMMAND)
-    events, store, db, explain = _run(tmp_path, upstream, kind="openai-responses")
+    events, store, gateway, explain = _run(tmp_path, upstream, kind="openai-responses")
     assert len(upstream.requests) == 2, explain
     first, second = upstream.requests
     assert first["body"]["include"] == ["reasoning.encrypted_content"] and first["body"]["store"] is False
@@ -82,13 +83,24 @@ def test_codex_through_the_gateway_to_a_native_upstream_keeps_reasoning_whole(tm
     assert messages[-1:] == [FINAL_TEXT], explain
     # One trajectory, its calls kept as they came.
     assert [(t["n_calls"], t["session_key"].startswith("cache:")) for t in store] == [(2, True)], store
-    assert [api for _, api in _natives(db)] == ["responses", "responses"]
+    assert [api for _, api in _natives(gateway.db)] == ["responses", "responses"]
+
+    # The hosted model's session becomes training rows like any other source's.
+    out = tmp_path / "rows.jsonl"
+    exported = harness_cli(gateway.config, "replay", "export", "--format", "chat-jsonl", "--output", str(out),
+                           "--window", "0")
+    assert exported.returncode == 0, exported.stderr
+    [row] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [m["role"] for m in row["messages"]][-3:] == ["assistant", "tool", "assistant"], row["messages"]
+    assert row["messages"][-1]["content"] == FINAL_TEXT
+    assert row["messages"][-3]["tool_calls"][0]["function"]["name"] == "exec_command"
+    assert "exec_command" in {t["function"]["name"] for t in row["tools"]}
 
 
 @pytest.mark.parametrize("provider_name", ["agent-harness gateway", "OpenAI"], ids=["codex-summary", "trigger"])
 def test_codex_compacts_a_long_session_on_a_native_upstream(tmp_path: Path, provider_name: str) -> None:
     upstream = ResponsesUpstream(COMMAND, usage_tokens=200_000)
-    events, store, db, explain = _run(tmp_path, upstream, kind="openai-responses", provider_name=provider_name)
+    events, store, _, explain = _run(tmp_path, upstream, kind="openai-responses", provider_name=provider_name)
     bodies = upstream.calls
     if provider_name == "OpenAI":
         compactions = [b for b in bodies if (b.get("input") or [{}])[-1].get("type") == "compaction_trigger"]
@@ -105,7 +117,7 @@ def test_codex_compacts_a_long_session_on_a_chat_backend(tmp_path: Path) -> None
     """A provider Codex takes for OpenAI's compacts with a ``compaction_trigger``: on a chat backend the gateway's
     summarizer answers it with one compaction item, which Codex then carries, and the model is given its summary."""
     upstream = ScriptedUpstream(COMMAND, model=MODEL, first_prompt_tokens=200_000)
-    events, store, db, explain = _run(tmp_path, upstream, kind="openai", provider_name="OpenAI")
+    events, store, _, explain = _run(tmp_path, upstream, kind="openai", provider_name="OpenAI")
     summaries = [i for i, c in enumerate(upstream.calls) if not c.get("tools")]
     assert len(summaries) == 1, explain
     later = upstream.calls[summaries[0] + 1:]

@@ -127,3 +127,17 @@ def test_parallel_tool_calls_false_allows_one_call(tmp_path: Path, stream: bool)
                 output = client.responses.create(**body).output
             assert [o.call_id for o in output] == expected
             assert served.backend.requests[-1]["parallel_tool_calls"] is parallel
+
+
+def test_compaction_requests_that_cannot_be_answered_are_4xx(tmp_path: Path) -> None:
+    for served in serve(tmp_path, []):
+        nothing = httpx.post(served.url + "/v1/responses", timeout=30,
+                             json=_body([{"type": "compaction_trigger"}]))
+        assert nothing.status_code == 400 and nothing.json()["error"]["param"] == "input"
+        agent = httpx.post(served.url + "/v1/responses/compact", timeout=30,
+                           json={**_body(HISTORY), "model": "agent:calc"})
+        assert agent.status_code == 400 and "agent profile" in agent.json()["error"]["message"]
+        unknown = httpx.post(served.url + "/v1/responses/compact", timeout=30,
+                             json={**_body(HISTORY), "model": "no-such-model"})
+        assert unknown.status_code == 404
+        assert served.backend.requests == []  # nothing reached the model

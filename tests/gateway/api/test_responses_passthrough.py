@@ -220,3 +220,20 @@ def test_a_chat_completion_for_a_responses_upstream_is_refused(served: Served) -
                        headers={"authorization": f"Bearer {CLIENT_KEY}"},
                        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "wrong_api"
+
+
+def test_a_custom_tool_call_and_its_output_go_on_and_are_recorded(served: Served) -> None:
+    served.upstream.patch = PATCH
+    first = served.post(wire(raw_body(codex_body(False)))).json()
+    patch_call = first["output"][1]
+    history = [*first["output"], {"type": "custom_tool_call_output", "call_id": patch_call["call_id"],
+                                  "output": "Done: a.txt added"}]
+    reply = served.post(wire(raw_body(codex_body(False, history=history))))
+    assert reply.status_code == 200, reply.text
+    assert served.upstream.requests[1]["body"]["input"][-1]["type"] == "custom_tool_call_output"
+    call = served.trajectory(reply.headers["x-harness-trajectory-id"])["calls"][-1]
+    messages = call["request"]["messages"]
+    assert messages[-2]["tool_calls"][0]["function"] == {"name": "apply_patch",
+                                                          "arguments": json.dumps({"input": PATCH},
+                                                                                  separators=(",", ":"))}
+    assert messages[-1] == {"role": "tool", "tool_call_id": patch_call["call_id"], "content": "Done: a.txt added"}
