@@ -24,7 +24,7 @@ from gateway.backends.base import BackendError
 from gateway.backends.passthrough import EventStream, PassThroughBackend
 from gateway.context import RequestContext
 from gateway.errors import APIError
-from gateway.protocol.sse import parse_events
+from gateway.protocol.sse import json_object, parse_events
 from gateway.streaming import EventStreamResponse, unless_disconnected
 from replay.records import CallRecord, Statement
 
@@ -82,7 +82,7 @@ async def pass_through(ctx: RequestContext, exchange: Exchange, backend: PassThr
             record_disconnect(ctx, exchange, [exchange.record(
                 status="client_disconnected", error="the client closed the connection before the answer")])
             raise
-        answer = _answer(reply.status, reply.body)
+        answer = json_object(reply.body) if reply.status == 200 else None
         if answer is not None:
             record, statements = reader.record(exchange, answer, status="ok", error=None), reader.statements(answer)
         else:
@@ -102,16 +102,6 @@ async def pass_through(ctx: RequestContext, exchange: Exchange, backend: PassThr
         await save(ctx, exchange, [exchange.record(status="error", error=upstream_failure(upstream.status, body))])
         return Response(body, status_code=upstream.status, headers={**upstream.headers, **headers})
     return EventStreamResponse(_relay(ctx, exchange, upstream, reader), headers={**upstream.headers, **headers})
-
-
-def _answer(status: int, body: bytes) -> dict[str, Any] | None:
-    if status != 200:
-        return None
-    try:
-        answer = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    return answer if isinstance(answer, dict) else None
 
 
 async def _relay(ctx: RequestContext, exchange: Exchange, upstream: EventStream,

@@ -21,7 +21,15 @@ from starlette.responses import Response
 from gateway.agent.service import AGENT_PREFIX
 from gateway.api import compaction
 from gateway.api.common import json_response, parse_json, read_body
-from gateway.api.exchange import TRAJECTORY_HEADER, Relay, choose_model, complete, open_exchange, open_stream
+from gateway.api.exchange import (
+    TRAJECTORY_HEADER,
+    Exchange,
+    Relay,
+    choose_model,
+    complete,
+    open_exchange,
+    open_stream,
+)
 from gateway.api.responses_native import pass_through_response
 from gateway.auth import Principal
 from gateway.backends.base import ChatResult
@@ -138,11 +146,7 @@ async def create_response(ctx: RequestContext) -> Response:
     if asks_compaction(body):
         return await compaction.answer_trigger(ctx, principal, body, chat_body, tool_map, response_id, created_at)
 
-    compacting = compacts(body)
-    exchange = await open_exchange(ctx, principal, chat_body, parsed, session_body=body,
-                                   compacted=compacting or is_compacted(body))
-    if compacting:
-        exchange.labels = {**exchange.labels, "purpose": "summary"}
+    exchange = await _open(ctx, principal, chat_body, parsed, body)
     kept = _Kept(body, chat_body, tool_map, exchange.ref.id, principal)
     if not stream:
         def statements_for(result: ChatResult) -> list[Statement]:
@@ -181,14 +185,22 @@ async def _pass_through(ctx: RequestContext, asked: _Asked, *, compact: bool) ->
     assert asked.backend is not None
     asked.parsed.messages = asked.chat_body["messages"]
     body = asked.body
-    compacting = compact or compacts(body)
-    exchange = await open_exchange(ctx, asked.principal, asked.chat_body, asked.parsed, session_body=body,
-                                   compacted=compacting or is_compacted(body))
-    if compacting:
-        exchange.labels = {"purpose": "summary"}
+    exchange = await _open(ctx, asked.principal, asked.chat_body, asked.parsed, body, compact=compact)
     kept = _Kept(body, asked.chat_body, asked.tool_map, exchange.ref.id, asked.principal)
     return await pass_through_response(ctx, exchange, asked.backend, asked.raw, body, asked.asked_model,
                                        asked.tool_map, kept.statements, compact=compact)
+
+
+async def _open(ctx: RequestContext, principal: Principal, chat_body: dict[str, Any], parsed: ChatCompletionRequest,
+                body: dict[str, Any], *, compact: bool = False) -> Exchange:
+    """The request's exchange, in its session's trajectory across compactions; a call that compacts (``compact``:
+    one to ``/responses/compact``) is marked as the session's summary."""
+    compacting = compact or compacts(body)
+    exchange = await open_exchange(ctx, principal, chat_body, parsed, session_body=body,
+                                   compacted=compacting or is_compacted(body))
+    if compacting:
+        exchange.labels = {**exchange.labels, "purpose": "summary"}
+    return exchange
 
 
 async def _stream(relay: Relay, events: ResponseStream, kept: _Kept, store: TrajectoryStore) -> AsyncIterator[bytes]:

@@ -47,10 +47,11 @@ def split_events(buffer: bytes) -> tuple[list[tuple[bytes, bytes | None]], bytes
 def parse_events(buffer: bytes) -> tuple[list[tuple[bytes, dict[str, Any] | None]], bytes]:
     """As ``split_events``, each event's data parsed as a JSON object (None when it is not one)."""
     events, rest = split_events(buffer)
-    return [(raw, _json_object(data)) for raw, data in events], rest
+    return [(raw, json_object(data)) for raw, data in events], rest
 
 
-def _json_object(data: bytes | None) -> dict[str, Any] | None:
+def json_object(data: bytes | None) -> dict[str, Any] | None:
+    """``data`` parsed as JSON when it is an object; None for anything else."""
     if data is None:
         return None
     try:

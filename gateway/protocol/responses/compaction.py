@@ -38,6 +38,10 @@ def _text(content: Any) -> str:
     return "".join(p.get("text") or "" for p in content or () if isinstance(p, dict))
 
 
+def _user_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    return [i for i in _items(body) if i.get("role") == "user" and i.get("type", "message") == "message"]
+
+
 def asks_compaction(body: dict[str, Any]) -> bool:
     """A request for one ``compaction`` item: its input ends with a ``compaction_trigger``."""
     items = _items(body)
@@ -48,7 +52,7 @@ def compacts(body: dict[str, Any]) -> bool:
     """A request that compacts its history, by either way a ``/v1/responses`` request can."""
     if asks_compaction(body):
         return True
-    users = [i for i in _items(body) if i.get("role") == "user" and i.get("type", "message") == "message"]
+    users = _user_messages(body)
     return bool(users) and _text(users[-1].get("content")).lstrip().startswith(CODEX_CHECKPOINT)
 
 
@@ -85,8 +89,8 @@ def summary_message(summary: str) -> dict[str, Any]:
 
 def kept_user_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     """The user's own messages of a history, which ``/v1/responses/compact`` hands back as they were."""
-    return [i for i in _items(body) if i.get("role") == "user" and i.get("type", "message") == "message"
-            and not _text(i.get("content")).lstrip().startswith((CODEX_CHECKPOINT, CODEX_SUMMARY))]
+    return [i for i in _user_messages(body)
+            if not _text(i.get("content")).lstrip().startswith((CODEX_CHECKPOINT, CODEX_SUMMARY))]
 
 
 def compacted_response(response_id: str, created_at: int, output: list[dict[str, Any]],
