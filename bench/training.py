@@ -1,6 +1,6 @@
 """Replay-train: what the training code costs.
 
-    python bench/training.py [--section sft|memory|eval] [--tiny] [--batch 4] [--seq-len 256] [--steps 6]
+    python bench/training.py [--section sft|memory|eval|ranks] [--tiny] [--batch 4] [--seq-len 256] [--steps 6]
                              [--warmup 2] [--repeats 2] [--rank 16] [--mem-batch 4] [--mem-seq-len 768]
                              [--episodes 16] [--concurrency 8]
                              [--model-path PATH] [--threads T]
@@ -27,6 +27,13 @@ Sections (``--section``, repeatable; default all):
 - ``eval``: evaluation throughput: episodes (and model calls) per minute of the tools suite's validation tasks
   through the agent loop on the base model, one episode at a time against ``--concurrency`` at once.
 
+- ``ranks``: training beyond one process on this machine. SFT tokens per second of one process (all cores'
+  threads) against two ranks under ``torchrun`` on the gloo backend (half the threads each), on the same global
+  batch (``--batch`` x 2 rows of ``--seq-len`` tokens a step), with the all-reduce's share of a rank-0 step (its
+  wait for the slower rank included); and validation episodes per minute of one process against two that each run
+  half the ``--episodes`` at once (what spreading validation over the ranks would buy). ``--repeats`` interleaved
+  runs, medians.
+
 Not a test: it prints numbers. Figures depend on the machine and on what else it is doing.
 """
 
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import tempfile
 import time
@@ -44,6 +52,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import structlog  # noqa: E402
 import torch  # noqa: E402
 
 from bench import sections  # noqa: E402
@@ -226,11 +235,122 @@ def section_eval(args: argparse.Namespace) -> None:
     print(f"ratio {args.concurrency} at once / one at a time: {figures[args.concurrency][0] / figures[1][0]:.2f}x")
 
 
+def _ranks_sft_worker(args: argparse.Namespace) -> None:
+    """One rank (or the one process) of ``--section ranks``: ``--steps`` + ``--warmup`` SFT steps of ``--batch`` x 2
+    rows a step in all; rank 0 writes its figures to ``--worker-out``."""
+    from training import distributed
+
+    torch.set_num_threads(args.threads)
+    world = distributed.join(600)
+    if world is not None and not world.leads:
+        distributed.follow(world)
+        distributed.finish(world)
+        return
+    per_rank = 2 // (world.size if world else 1)  # micro-batches a step on each rank: the same global batch
+    rows = bench_rows(args.batch, args.seq_len, len(load_tokenizer(args.model_path)))
+    config = SFTConfig.from_settings(rank=args.rank, alpha=2.0 * args.rank, batch_size=args.batch,
+                                     grad_accum=per_rank, epochs=1.0, checkpoints=1, log_every=1, learning_rate=1e-4,
+                                     max_seq_len=args.seq_len, gradient_checkpointing=False)
+    steps = args.warmup + args.steps
+    with tempfile.TemporaryDirectory() as out:
+        result = train_sft(args.model_path, rows * 2 * steps, config, Path(out))
+        lines = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    distributed.finish(world)
+    tokens = 2 * sum(len(r.input_ids) for r in rows)
+    measured = sum(tokens / line["tokens_per_second"] for line in lines[args.warmup:])
+    Path(args.worker_out).write_text(json.dumps({"tokens_per_second": tokens * args.steps / measured,
+                                                 "reduce_share": result.reduce_seconds / result.seconds}))
+
+
+def _ranks_eval_worker(args: argparse.Namespace) -> None:
+    """One of ``--section ranks``' evaluators: every ``--of``-th validation episode from ``--part`` on."""
+    import asyncio
+
+    from training.evaluate import Evaluator
+    from training.settings import TrainingSettings
+    from training.tasks import get_suite
+
+    torch.set_num_threads(args.threads)
+    suite = get_suite("tools")
+    tasks = suite.tasks("validation")[:args.episodes][args.part::args.of]
+
+    async def run() -> None:
+        async with Evaluator(TrainingSettings(model_path=args.model_path, eval_concurrency=args.concurrency)) as e:
+            await e.episodes(suite, tasks[:1])  # the engine warmed up and its first compile paid
+            started = time.perf_counter()
+            await e.episodes(suite, tasks)
+            seconds = time.perf_counter() - started
+        Path(args.worker_out).write_text(json.dumps({"episodes": len(tasks), "seconds": seconds}))
+
+    asyncio.run(run())
+
+
+def section_ranks(args: argparse.Namespace) -> None:
+    """SFT tokens per second of one process against two ranks under torchrun on the same global batch (the
+    all-reduce's share of a step, waiting for the slower rank included), and validation episodes per minute of one
+    process against two processes that each run half, interleaved ``--repeats`` times, medians."""
+    import statistics
+    import subprocess
+
+    if args.tiny and not args.model_path:
+        args.model_path = str(tiny_llama(Path(tempfile.mkdtemp(prefix="bench-tiny-")), load_tokenizer()))
+    cores = args.threads or torch.get_num_threads()
+    script = [str(Path(__file__).resolve()), "--section", "ranks", "--batch", str(args.batch), "--seq-len",
+              str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup), "--rank", str(args.rank),
+              "--episodes", str(args.episodes), "--concurrency", str(args.concurrency)]
+    script += ["--model-path", args.model_path] if args.model_path else []
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+    def sft(launcher: list[str], threads: int) -> dict[str, float]:
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            subprocess.run([*launcher, *script, "--worker", "sft", "--worker-out", out.name, "--threads",
+                            str(threads)], check=True, capture_output=True)
+            return json.loads(Path(out.name).read_text())
+
+    def evaluation(parts: int, threads: int) -> float:
+        outs = [tempfile.NamedTemporaryFile(suffix=".json") for _ in range(parts)]
+        running = [subprocess.Popen([sys.executable, *script, "--worker", "eval", "--worker-out", out.name,
+                                     "--threads", str(threads), "--part", str(i), "--of", str(parts)],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                   for i, out in enumerate(outs)]
+        for process in running:
+            if process.wait():
+                raise SystemExit(f"an evaluator failed ({process.returncode})")
+        figures = [json.loads(Path(out.name).read_text()) for out in outs]
+        for out in outs:
+            out.close()
+        # Both halves run at once: the episodes over the slower one's time.
+        return sum(f["episodes"] for f in figures) / max(f["seconds"] for f in figures) * 60
+
+    one, two, eval_one, eval_two = [], [], [], []
+    for _ in range(args.repeats):
+        one.append(sft([sys.executable], cores))
+        two.append(sft(torchrun, max(1, cores // 2)))
+        eval_one.append(evaluation(1, cores))
+        eval_two.append(evaluation(2, max(1, cores // 2)))
+    model = "tiny random Llama" if args.tiny else (args.model_path or "embedded SmolLM2-135M")
+    speed = [statistics.median(f["tokens_per_second"] for f in runs) for runs in (one, two)]
+    reduce = statistics.median(f["reduce_share"] for f in two)
+    print(f"\nranks: {model}, cpu, {cores} cores; SFT on {2 * args.batch} rows x {args.seq_len} tokens a step, LoRA "
+          f"rank {args.rank}, {args.steps} steps after {args.warmup}; median of {args.repeats}, interleaved")
+    print(f"{'sft':<44}{'tokens/s':>10}{'all-reduce share':>18}")
+    print(f"{f'one process, {cores} threads':<44}{speed[0]:>10.1f}{'-':>18}")
+    print(f"{f'two ranks (torchrun, gloo), {max(1, cores // 2)} thread(s) each':<44}{speed[1]:>10.1f}"
+          f"{reduce:>17.1%}")
+    print(f"ratio two ranks / one process: {speed[1] / speed[0]:.2f}x")
+    rates = [statistics.median(runs) for runs in (eval_one, eval_two)]
+    print(f"{'validation (' + str(args.episodes) + ' episodes)':<44}{'episodes/min':>14}")
+    print(f"{f'one process, {cores} threads':<44}{rates[0]:>14.1f}")
+    print(f"{f'two processes, half each, {max(1, cores // 2)} thread(s) each':<44}{rates[1]:>14.1f}")
+    print(f"ratio spread / one process: {rates[1] / rates[0]:.2f}x")
+
+
 # Sections run in this order.
 SECTIONS: dict[str, sections.Section] = {
     "sft": section_sft,
     "memory": section_memory,
     "eval": section_eval,
+    "ranks": section_ranks,
 }
 
 
@@ -252,7 +372,18 @@ def main(argv: list[str] | None = None) -> None:
     evaluation = parser.add_argument_group("eval")
     evaluation.add_argument("--episodes", type=int, default=16, help="validation tasks run (default 16)")
     evaluation.add_argument("--concurrency", type=int, default=8, help="episodes at once (default 8)")
-    sections.run(parser.parse_args(argv), SECTIONS)
+    # --section ranks starts itself again as each of its workers.
+    worker = parser.add_argument_group("ranks (internal)")
+    worker.add_argument("--worker", choices=["sft", "eval"], help=argparse.SUPPRESS)
+    worker.add_argument("--worker-out", help=argparse.SUPPRESS)
+    worker.add_argument("--part", type=int, default=0, help=argparse.SUPPRESS)
+    worker.add_argument("--of", type=int, default=1, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+        (_ranks_sft_worker if args.worker == "sft" else _ranks_eval_worker)(args)
+        return
+    sections.run(args, SECTIONS)
 
 
 if __name__ == "__main__":

@@ -193,7 +193,9 @@ def _print_stats(s: dict[str, Any]) -> None:
 @app.command()
 @with_filters
 def export(filters: Filters,
-           fmt: str = typer.Option(..., "--format", "-f", help="chat-jsonl (a file) or hf (a datasets directory)."),
+           fmt: str = typer.Option(..., "--format", "-f",
+                                   help="chat-jsonl (a file), hf (a datasets directory), or trl or verl (a directory "
+                                        "of what their SFT and GRPO trainers read: docs/replay.md)."),
            output: str = typer.Option(..., "--output", "-o", help="Where to write; replaced only once complete."),
            window: int = typer.Option(1, "--window", min=0,
                                       help="Calls per row: each row is the last call's context of up to N "

@@ -169,6 +169,7 @@ def replay_train_command(filters: Filters,
     With the default reward weights, --min-reward 0.7 keeps the runs rated up, never unrated or rated-down ones.
     For example: harness replay-train --source proxy --min-reward 0.7 (docs/training.md)."""
     require_extra("train", "harness replay-train")
+    from training import distributed
     from training.replay_train import MODES, ReplayTrainError, replay_train
 
     settings = settings_or_exit(config)
@@ -183,10 +184,18 @@ def replay_train_command(filters: Filters,
         url = correction.teacher_url if "teacher_url" in correction.model_fields_set or not publish else publish
         settings.training.correction = correction.model_copy(update={
             "teacher": teacher, "teacher_url": url, "rounds": correction.rounds or 1})
+    # Under torchrun: rank 0 runs the pipeline, the others train alongside it (training/distributed.py).
+    world = distributed.join(settings.training.rank_timeout_seconds)
     try:
+        if world is not None and not world.leads:
+            distributed.follow(world)
+            distributed.finish(world)
+            raise typer.Exit(0)
         outcome = asyncio.run(replay_train(settings, filters, mode=mode, init=start, name=name, publish=publish,
                                            console=console))
-    except ReplayTrainError as exc:
+        distributed.finish(world)
+    except (ReplayTrainError, distributed.RankFailure) as exc:
+        # Nothing more is said to the other ranks: a rank that stops ends their next collective.
         fail(str(exc))
     raise typer.Exit(0 if outcome.decision and outcome.decision.passed else 1)
 

@@ -1,4 +1,5 @@
-"""Exporting trajectories as training rows: chat JSONL, or a Hugging Face ``datasets`` dataset.
+"""Exporting trajectories as training rows: chat JSONL, a Hugging Face ``datasets`` dataset, or the files TRL's and
+verl's trainers read (``export_trainers.py``).
 
 A row is a context AS ACTUALLY SENT: one model call's request messages plus the reply it got (its first
 choice), with the tool specs of that call. The agent loop's summaries are therefore already in the rows
@@ -45,14 +46,14 @@ from extras import require_extra
 from replay import hashing
 from replay.filters import Filters
 from replay.model import StoredCall
-from replay.queries import CALL_COLUMNS_WITHOUT_LOGPROBS, stored_call
+from replay.queries import CALL_COLUMNS, CALL_COLUMNS_WITHOUT_LOGPROBS, stored_call
 from replay.records import new_id
 from replay.redact import Redactor
 from replay.vocabulary import CALL_OK
 
 log = structlog.get_logger()
 
-FORMATS = ("chat-jsonl", "hf")
+FORMATS = ("chat-jsonl", "hf", "trl", "verl")
 _EMPTY_REPLY = b"{}"  # what the store keeps for a choice that had no message
 
 
@@ -67,6 +68,8 @@ class ExportOptions:
     by_group: bool = False  # rows of one group together (group id order), else trajectory id order
     chunk_size: int = 500  # trajectories read per chunk
     jobs: int = 1  # chat-jsonl: worker processes building rows (see _parallel_jsonl); 0 = auto_jobs()
+    logprobs: bool = False  # read the sampled log-probabilities too (the trainer formats' RL rows)
+    by_task: bool = False  # with by_group: trajectories without a group id grouped by task, as RL groups them
 
 
 @dataclass(slots=True)
@@ -81,6 +84,7 @@ class Row:
     metadata: bytes | None
     prompt_token_ids: bytes | None  # JSON array of ints
     completion_token_ids: bytes | None
+    completion_logprobs: bytes | None = None  # as sampled (ExportOptions.logprobs), JSON array of floats
 
 
 @dataclass
@@ -131,7 +135,8 @@ def has_exportable_call(conn: sqlite3.Connection, filters: Filters, include_fail
 def _chunks(conn: sqlite3.Connection, filters: Filters, options: ExportOptions) -> Iterator[list[tuple[Any, ...]]]:
     """The selected trajectories' rows, a chunk at a time, in one read transaction (one snapshot)."""
     where, args = filters.where("t")
-    order = "COALESCE(t.group_id, t.id), t.id" if options.by_group else "t.id"
+    key = "t.group_id, t.task_id, t.id" if options.by_task else "t.group_id, t.id"
+    order = f"COALESCE({key}), t.id" if options.by_group else "t.id"
     conn.execute("BEGIN")
     try:
         cursor = conn.execute(f"SELECT {_TRAJECTORY_COLUMNS} FROM trajectories t WHERE {where} ORDER BY {order}",
@@ -157,7 +162,7 @@ def iter_rows(conn: sqlite3.Connection, filters: Filters, options: ExportOptions
 
 def _chunk_rows(conn: sqlite3.Connection, chunk: list[tuple[Any, ...]], options: ExportOptions,
                 redactor: Redactor) -> Iterator[Row]:
-    calls = _calls(conn, [t[0] for t in chunk], options.include_failed)
+    calls = _calls(conn, [t[0] for t in chunk], options.include_failed, options.logprobs)
     keys = {k for cs in calls.values() for c in cs for k in (*c.request_keys, c.tools_key, c.reply_key) if k}
     bodies = _bodies(conn, keys, redactor)
     for traj in chunk:
@@ -181,11 +186,12 @@ def _metadata(text: str | None, redactor: Redactor) -> bytes | None:
     return _redacted_bytes(body, redactor)[0]
 
 
-def _calls(conn: sqlite3.Connection, ids: list[str], include_failed: bool) -> dict[str, list[StoredCall]]:
+def _calls(conn: sqlite3.Connection, ids: list[str], include_failed: bool,
+           logprobs: bool = False) -> dict[str, list[StoredCall]]:
     status = "" if include_failed else f"AND status = '{CALL_OK}'"
     out: dict[str, list[StoredCall]] = {}
     for row in conn.execute(
-            f"""SELECT {CALL_COLUMNS_WITHOUT_LOGPROBS} FROM model_calls
+            f"""SELECT {CALL_COLUMNS if logprobs else CALL_COLUMNS_WITHOUT_LOGPROBS} FROM model_calls
                 WHERE trajectory_id IN (SELECT value FROM json_each(?)) {status}
                 ORDER BY trajectory_id, seq, created_at""", (orjson.dumps(ids),)):
         call = stored_call(row)
@@ -275,7 +281,8 @@ def _row(base: dict[str, Any], base_json: bytes, metadata: bytes | None, first: 
                tools=out[last.tools_key] if last.tools_key else None, metadata=metadata,
                prompt_token_ids=None if changed or last.packed_prompt_ids is None
                else zlib.decompress(last.packed_prompt_ids),
-               completion_token_ids=None if changed else last.first_completion_ids())
+               completion_token_ids=None if changed else last.first_completion_ids(),
+               completion_logprobs=None if changed else last.first_sampled_logprobs())
 
 
 # -- writers -------------------------------------------------------------------------------------------
@@ -371,15 +378,15 @@ def _drain(item: tuple[int, Any], out: IO[bytes], result: ExportResult,
 def export(conn: sqlite3.Connection, filters: Filters, output: str | os.PathLike[str], *, fmt: str,
            options: ExportOptions, redactor: Redactor, overwrite: bool = False,
            on_chunk: Callable[[int], None] | None = None) -> ExportResult:
-    """Write the selection to ``output`` (a file for chat-jsonl, a directory for hf), all or nothing.
+    """Write the selection to ``output`` (a file for chat-jsonl, a directory for the others), all or nothing.
 
     Rows go to a temporary path beside ``output`` that replaces it only once complete, so a failed or
     interrupted export never leaves a half-written file where a finished one is expected.
     """
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if fmt == "hf":
-        require_extra("train", "replay export --format hf")
+    if fmt in ("hf", "verl"):  # datasets, and the pyarrow behind it
+        require_extra("train", f"replay export --format {fmt}")
     out = Path(output)
     if out.exists() and not overwrite:
         raise ExportError(f"{out} already exists (pass --force to replace it)")
@@ -412,10 +419,17 @@ def export(conn: sqlite3.Connection, filters: Filters, output: str | os.PathLike
                     _parallel_jsonl(conn, filters, replace(options, jobs=jobs), redactor, fh, result, on_chunk)
                 else:
                     write_jsonl(rows(), fh, result)
-        else:
+        elif fmt == "hf":
             from replay.export_hf import write_hf  # only here: the [train] extra's datasets behind it
 
             write_hf(rows, tmp, result)
+        else:
+            from replay import export_trainers
+
+            rl_options = replace(options, window=1, by_group=True, by_task=True, logprobs=True)
+            export_trainers.write(fmt, lambda: iter_rows(conn, filters, replace(options, logprobs=True), redactor,
+                                                         on_chunk),
+                                  lambda: iter_rows(conn, filters, rl_options, redactor), tmp, result)
         if result.rows == 0:
             raise ExportError("no model call in the selection had a reply to export; nothing written")
         if out.exists():

@@ -167,13 +167,11 @@ class StoredCall(_CallColumns):
 
     def first_completion_ids(self) -> bytes | None:
         """The first choice's token ids as JSON bytes, cut out of the packed ``[[ids of choice 0], ...]``."""
-        if self.packed_completion_ids is None:
-            return None
-        ids = zlib.decompress(self.packed_completion_ids)
-        if ids.startswith(b"[[") and b"null" not in ids:
-            return ids[1:ids.index(b"]") + 1]  # lists of ints nest nothing: the first "]" closes choice 0
-        per_choice = orjson.loads(ids)
-        return orjson.dumps(per_choice[0]) if per_choice and per_choice[0] is not None else None
+        return _first_choice(self.packed_completion_ids)
+
+    def first_sampled_logprobs(self) -> bytes | None:
+        """The first choice's log-probabilities under the distribution it was sampled from, as JSON bytes."""
+        return _first_choice(self.packed_sampled_logprobs)
 
     def to_model_call(self, bodies: Mapping[str, Any]) -> ModelCall:
         """This call with its bodies (decoded, by key) in place and its packed columns unpacked."""
@@ -191,6 +189,17 @@ class StoredCall(_CallColumns):
             completion_token_ids=unpack(self.packed_completion_ids),
             completion_logprobs=unpack(self.packed_logprobs),
             completion_sampled_logprobs=unpack(self.packed_sampled_logprobs))
+
+
+def _first_choice(packed: bytes | None) -> bytes | None:
+    """Choice 0's list out of a packed ``[[... of choice 0], ...]``, as JSON bytes."""
+    if packed is None:
+        return None
+    values = zlib.decompress(packed)
+    if values.startswith(b"[[") and b"null" not in values:
+        return values[1:values.index(b"]") + 1]  # lists of numbers nest nothing: the first "]" closes choice 0
+    per_choice = orjson.loads(values)
+    return orjson.dumps(per_choice[0]) if per_choice and per_choice[0] is not None else None
 
 
 @dataclass(frozen=True, slots=True)

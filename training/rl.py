@@ -52,6 +52,7 @@ from tqdm import tqdm
 
 from gateway.backends.local.adapters import read_rendering, write_rendering
 from gateway.prompting import Rendering
+from training import distributed
 from training.groups import Group, Sample, assign_advantages
 from training.metrics import rank
 from training.plots import plot_rl
@@ -190,14 +191,16 @@ def update(model: PeftModel, samples: Sequence[Sample], optimizer: torch.optim.O
     reference (``reference_logprobs``)."""
     params = [p for p in model.parameters() if p.requires_grad]
     device = params[0].device
+    world = distributed.current()
     total = sum(len(s.completion_ids) for s in samples)
-    # Micro-batches of similar length: little padding.
+    # Micro-batches of similar length: little padding; on several ranks, every size-th one is this rank's.
     ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
+    micro_batches = [ordered[start:start + batch_size] for start in range(0, len(ordered), batch_size)]
     sums = {"loss": 0.0, "kl": 0.0, "ratio": 0.0, "clipped": 0.0}
     started = time.perf_counter()
     seen = 0
-    for start in range(0, len(ordered), batch_size):
-        batch = collate(ordered[start:start + batch_size], pad_id).to(device)
+    for micro_batch in world.mine(micro_batches) if world else micro_batches:
+        batch = collate(micro_batch, pad_id).to(device)
         seen += int(batch.attention_mask.sum())
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logprobs, own = policy_logprobs(model, batch)
@@ -211,6 +214,11 @@ def update(model: PeftModel, samples: Sequence[Sample], optimizer: torch.optim.O
         sums["ratio"] += parts.ratio
         sums["clipped"] += parts.clipped
         del logprobs, own, ref_logprobs, parts
+    if world is not None:
+        figures = torch.tensor([sums["loss"], sums["kl"], sums["ratio"], sums["clipped"], seen], dtype=torch.float64)
+        world.sum_grads(params, figures, during="an RL update")
+        sums = dict(zip(("loss", "kl", "ratio", "clipped"), figures.tolist(), strict=False))
+        seen = int(figures[4])
     torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -273,11 +281,16 @@ def train_rl(loaded: LoadedModel, config: RLConfig, out_dir: Path, *, steps: int
     """Run ``steps`` RL steps on the groups ``batches`` gives; checkpoints, ``metrics.jsonl`` and ``rl.png`` go
     under ``out_dir``. The adapter starts from ``init_adapter`` (e.g. an SFT checkpoint), else fresh."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    world = distributed.current()
+    distributed.lead(follow_rl, model_path=str(loaded.path), config=config, out_dir=out_dir, steps=steps,
+                     init_adapter=init_adapter)
+    leads = world is None or world.leads  # the one rank that rolls out, validates and writes
+    if leads:
+        out_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(config.seed)
     tokenizer = loaded.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = distributed.device()
     # Copied before the policy's adapter is put into the base's modules.
     reference = start_reference(loaded.model, init_adapter).to(device) if init_adapter and config.rl.kl_coef \
         else None
@@ -286,26 +299,37 @@ def train_rl(loaded: LoadedModel, config: RLConfig, out_dir: Path, *, steps: int
     # Rollouts serve each checkpoint with the rendering its folder records: the one the policy started from.
     rendering = (read_rendering(init_adapter) if init_adapter else None) or config.lora.rendering
     params = [p for p in model.parameters() if p.requires_grad]
+    if world is not None:
+        world.sync(params, during="sharing the adapter's first weights")
 
     def new_optimizer() -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=config.rl.learning_rate, weight_decay=0.0)
 
+    def save(folder: Path) -> Path:
+        return _save(model, folder, rendering) if leads else folder
+
+    def validated(folder: Path) -> dict[str, Any]:
+        return world.share(validate(folder) if leads else None, during="validation") if world else validate(folder)
+
     optimizer = new_optimizer()
     metrics_path = out_dir / "metrics.jsonl"
-    metrics_path.unlink(missing_ok=True)
+    if leads:
+        metrics_path.unlink(missing_ok=True)
     log.info("rl.start", steps=steps, algorithm=config.rl.algorithm, device=device.type, out_dir=str(out_dir),
              init_adapter=str(init_adapter) if init_adapter else None)
 
     watch = _Watch(config)
-    first = _save(model, out_dir / "checkpoint-0", rendering)
+    first = save(out_dir / "checkpoint-0")
     result = RLResult(best=first, best_step=0, checkpoints=[first], history=[], validations=[], model=model)
-    watch.judge(0, first, validate(first), result)
-    append_jsonl(metrics_path, {"step": 0, "validation": result.validations[-1]})
+    watch.judge(0, first, validated(first), result)
+    if leads:
+        append_jsonl(metrics_path, {"step": 0, "validation": result.validations[-1]})
 
-    bar = tqdm(total=steps, desc="rl", unit="step", disable=not sys.stderr.isatty())
+    bar = tqdm(total=steps, desc="rl", unit="step", disable=not (leads and sys.stderr.isatty()))
     for step in range(1, steps + 1):
-        policy = _save(model, out_dir / "policy", rendering)
-        groups = batches(step, policy)
+        groups = batches(step, save(out_dir / "policy")) if leads else None
+        if world is not None:
+            groups = world.share(groups, during=f"handing out RL step {step}'s groups")
         samples, skipped = _fitting([s for g in groups for s in g.samples()], config.max_seq_len)
         result.skipped_samples += skipped
         assign_advantages(groups, config.rl.algorithm, config.rl.process_coef)
@@ -325,15 +349,19 @@ def train_rl(loaded: LoadedModel, config: RLConfig, out_dir: Path, *, steps: int
             line.update(stats)
         watch.rewards.append(line["reward"])
         if step % config.rl.eval_every == 0 or step == steps:
-            checkpoint = _save(model, out_dir / f"checkpoint-{step}", rendering)
+            checkpoint = save(out_dir / f"checkpoint-{step}")
             result.checkpoints.append(checkpoint)
-            action = watch.judge(step, checkpoint, validate(checkpoint), result)
+            action = watch.judge(step, checkpoint, validated(checkpoint), result)
             line["validation"] = result.validations[-1]
             if action == "rollback":
-                _restore(model, result.best)
+                if leads:
+                    _restore(model, result.best)
+                if world is not None:
+                    world.sync(params, during=f"sharing the weights rolled back to at RL step {step}")
                 optimizer = new_optimizer()
         result.history.append(line)
-        append_jsonl(metrics_path, line)
+        if leads:
+            append_jsonl(metrics_path, line)
         log.info("rl.step", **{k: v for k, v in line.items() if k != "validation"})
         bar.update(1)
         bar.set_postfix(reward=f"{line['reward']:.3f}" if line["reward"] is not None else "-",
@@ -341,13 +369,26 @@ def train_rl(loaded: LoadedModel, config: RLConfig, out_dir: Path, *, steps: int
         if result.stopped:
             break
     bar.close()
-    shutil.rmtree(out_dir / "policy", ignore_errors=True)  # the rollouts' copy; the checkpoints are what stays
     result.tokens_per_second = result.tokens / result.seconds if result.seconds else 0.0
-    plot_rl(result, out_dir / "rl.png")
+    if leads:
+        shutil.rmtree(out_dir / "policy", ignore_errors=True)  # the rollouts' copy; the checkpoints are what stays
+        plot_rl(result, out_dir / "rl.png")
     log.info("rl.done", best=str(result.best), best_step=result.best_step, stopped=result.stopped,
              rollbacks=result.rollbacks, groups=result.groups, flat_groups=result.flat_groups,
              tokens_per_second=round(result.tokens_per_second, 1))
     return result
+
+
+def follow_rl(model_path: str, **kwargs: Any) -> RLResult:
+    """A rank other than 0 in ``train_rl``: its own copy of the base, its share of each update; the groups and the
+    validations come from rank 0."""
+    from gateway.backends.local.loading import load_model
+
+    return train_rl(load_model(model_path), batches=_from_rank_0, validate=_from_rank_0, **kwargs)
+
+
+def _from_rank_0(_: Path) -> Any:
+    raise AssertionError("only rank 0 rolls out and validates")
 
 
 class _Watch:

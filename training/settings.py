@@ -171,8 +171,11 @@ class TrainingSettings(Section):
     batch_size: int = Field(2, gt=0, description="Rows per micro-batch: a micro-batch's activations are most of what "
                             "training holds (the README's demonstration on 2 CPU cores: 2 rows peaked at 3.7 GB and "
                             "trained at 398 tokens/s, 4 rows at 6.1 GB and 335 tokens/s).")
-    grad_accum: int = Field(4, gt=0, description="Micro-batches per optimizer step (rows per step: batch_size times "
-                            "this).")
+    grad_accum: int = Field(4, gt=0, description="Micro-batches per optimizer step on each rank (rows per step: "
+                            "batch_size times this times the ranks torchrun starts).")
+    rank_timeout_seconds: float = Field(7200.0, gt=0, description="Under torchrun: how long a rank waits for the "
+                                        "others in one hand-over or all-reduce; at least the longest stage rank 0 "
+                                        "runs alone (validation, the gate) while the others wait.")
     micro_batch_positions: int = Field(768, ge=0, description="Most positions the decoder runs for one micro-batch "
                                        "(its rows' shared prompt once, the rest once a row, padding included): a "
                                        "wider one trains a row at a time, with the same gradient, which bounds the "

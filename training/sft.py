@@ -24,7 +24,12 @@ The algorithm:
 CUDA runs with bf16 autocast over float32 weights; CPU runs in float32. Gradient checkpointing
 (``gradient_checkpointing``, off by default: ``[training]``) trades about a third more compute for the ~1 MB of
 activations per token a batch of long rows keeps otherwise. Every knob's default is the ``[training]`` section's
-(``SFTConfig.from_settings``). Simplifications: no packing of rows into one sequence, one device.
+(``SFTConfig.from_settings``). Simplifications: no packing of rows into one sequence.
+
+On several ranks (``training/distributed.py``, under torchrun) each step takes ``grad_accum`` micro-batches on each
+rank from one plan all ranks draw alike, every ``size``-th from the rank's own; the gradients and the step's loss
+are summed over the ranks before clipping, so every rank takes the step one process takes with ``grad_accum`` times
+the ranks, and rank 0 alone writes checkpoints, ``metrics.jsonl`` and the plot.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from gateway.backends.local.heap import keep_allocations_in_heap, map_large_allo
 from gateway.backends.local.kv import ATTENTION
 from gateway.backends.local.loading import LoadedModel, load_model
 from gateway.prompting import Rendering
+from training import distributed
 from training.batches import Batch, base_of, label_logits, pad_batch, positions
 from training.data import IGNORE, Example
 from training.plots import plot_loss
@@ -113,6 +119,7 @@ class SFTResult:
     seconds: float  # the training loop alone (no loading, saving or validation)
     tokens_per_second: float
     metrics: list[dict[str, Any]] = field(default_factory=list)  # what metrics.jsonl holds
+    reduce_seconds: float = 0.0  # of ``seconds``, summing gradients across ranks (0 on one process)
     model: PeftModel | None = field(default=None, repr=False)  # the trained model, adapter active
 
 
@@ -241,18 +248,27 @@ def train_sft(base_model_path: str | None, examples: list[Example], config: SFTC
     if not examples:
         raise ValueError("no examples to train on")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    world = distributed.current()
+    distributed.lead(train_sft, base_model_path=str(loaded.path) if loaded else base_model_path, examples=examples,
+                     config=config, out_dir=out_dir, init_adapter=init_adapter)
+    leads = world is None or world.leads  # the one rank that writes
+    if leads:
+        out_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(config.seed)
     loaded = loaded or load_base(base_model_path)
     tokenizer = loaded.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = distributed.device()
     model = lora_policy(loaded.model, config, init_adapter).to(device)
     train_mode(model, config)
 
     plan = plan_batches(examples, config.batch_size, config.epochs, config.seed, config.bucket_batches)
-    steps = math.ceil(len(plan) / config.grad_accum)
+    # A step takes grad_accum micro-batches on each rank: the global batch grows with the ranks.
+    per_step = config.grad_accum * (world.size if world else 1)
+    steps = math.ceil(len(plan) / per_step)
     params = [p for p in model.parameters() if p.requires_grad]
+    if world is not None:
+        world.sync(params, during="sharing the adapter's first weights")
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
     warmup = max(1, round(config.warmup_ratio * steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(warmup, steps))
@@ -261,17 +277,18 @@ def train_sft(base_model_path: str | None, examples: list[Example], config: SFTC
              trainable=sum(p.numel() for p in params), checkpoints=sorted(saves), out_dir=str(out_dir))
 
     metrics_path = out_dir / "metrics.jsonl"
-    metrics_path.unlink(missing_ok=True)
+    if leads:
+        metrics_path.unlink(missing_ok=True)
     result = SFTResult(checkpoints=[], losses=[], tokens=0, seconds=0.0, tokens_per_second=0.0, model=model)
     window_tokens, window_seconds, window_losses = 0, 0.0, []
-    bar = tqdm(total=steps, desc="sft", unit="step", disable=not sys.stderr.isatty())
+    bar = tqdm(total=steps, desc="sft", unit="step", disable=not (leads and sys.stderr.isatty()))
     for step in range(1, steps + 1):
         started = time.perf_counter()
-        group = plan[(step - 1) * config.grad_accum:step * config.grad_accum]
+        group = plan[(step - 1) * per_step:step * per_step]
         epoch = group[-1][0]
         step_labels = sum(label_tokens(e) for _, batch in group for e in batch)
         step_loss, step_tokens = 0.0, 0
-        parts = [part for _, examples_in_batch in group
+        parts = [part for _, examples_in_batch in (world.mine(group) if world else group)
                  for part in within(examples_in_batch, config.micro_batch_positions)]
         for part in parts:
             batch = pad_batch(part, pad_id).to(device)
@@ -283,6 +300,12 @@ def train_sft(base_model_path: str | None, examples: list[Example], config: SFTC
             step_loss += loss.item() * share
             step_tokens += batch.tokens
             del loss  # else the last batch's graph lives on through the next forward
+        if world is not None:
+            figures = torch.tensor([step_loss, step_tokens], dtype=torch.float64)
+            reducing = time.perf_counter()
+            world.sum_grads(params, figures, during=f"SFT step {step}")
+            result.reduce_seconds += time.perf_counter() - reducing
+            step_loss, step_tokens = float(figures[0]), int(figures[1])
         torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
@@ -297,7 +320,7 @@ def train_sft(base_model_path: str | None, examples: list[Example], config: SFTC
         window_losses.append(step_loss)
         bar.update(1)
         bar.set_postfix(loss=f"{step_loss:.4f}")
-        if step % config.log_every == 0 or step in saves:
+        if leads and (step % config.log_every == 0 or step in saves):
             line = {"step": step, "epoch": round(epoch, 4), "loss": sum(window_losses) / len(window_losses),
                     "lr": lr, "tokens_per_second": window_tokens / window_seconds if window_seconds else 0.0}
             window_tokens, window_seconds, window_losses = 0, 0.0, []
@@ -311,7 +334,8 @@ def train_sft(base_model_path: str | None, examples: list[Example], config: SFTC
     bar.close()
 
     result.tokens_per_second = result.tokens / result.seconds if result.seconds else 0.0
-    plot_loss(result.losses, out_dir / "loss.png")
+    if leads:
+        plot_loss(result.losses, out_dir / "loss.png")
     log.info("sft.done", steps=steps, tokens=result.tokens, seconds=round(result.seconds, 2),
              tokens_per_second=round(result.tokens_per_second, 1), final_loss=result.losses[-1],
              checkpoints=[str(c) for c in result.checkpoints])

@@ -1,0 +1,96 @@
+"""A training job on one rank, for the distributed tests: run under torchrun (each rank writes what it ended with)
+or as one process (the same job on the same global batch, for comparison).
+
+    python tests/training/ranks.py sft|rl MODEL_DIR OUT_DIR --grad-accum N
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import orjson  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from gateway.backends.local.loading import load_model  # noqa: E402
+from training import distributed  # noqa: E402
+from training.general_data import general_examples  # noqa: E402
+from training.groups import Group, Sample, Trajectory  # noqa: E402
+from training.rl import RLConfig, train_rl  # noqa: E402
+from training.settings import TrainingSettings  # noqa: E402
+from training.sft import SFTConfig, train_sft  # noqa: E402
+
+LORA = dict(base_model="tiny", rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
+            dropout=0.0, seed=0, rendering="compact")
+
+
+def conversations(n: int) -> list[list[dict[str, Any]]]:
+    return [[{"role": "user", "content": f"What is {i} plus {i * 3}? Say it in words."},
+             {"role": "assistant", "content": f"{i} plus {i * 3} is {4 * i}" + " indeed" * (i % 5) + "."}]
+            for i in range(n)]
+
+
+def sft(model_dir: Path, out: Path, grad_accum: int) -> Any:
+    loaded = load_model(str(model_dir))
+    rows = general_examples(loaded.tokenizer, conversations(24), max_seq_len=128)
+    config = SFTConfig.from_settings(**LORA, learning_rate=5e-3, epochs=1.0, batch_size=2, grad_accum=grad_accum,
+                                     checkpoints=1, log_every=1, micro_batch_positions=0)
+    return train_sft(str(model_dir), rows, config, out / "sft", loaded=loaded)
+
+
+def groups(tokenizer: Any, step: int) -> list[Group]:
+    """Two groups of three trajectories, their rewards apart: fixed sampled ids and log-probabilities."""
+    made = []
+    for g in range(2):
+        trajectories = []
+        for t in range(3):
+            prompt = tokenizer.encode(f"Task {step}.{g}: add {t} and {g}.")
+            completion = tokenizer.encode(f" The sum is {t + g}" + "!" * t)
+            logprobs = [-0.5 - 0.1 * ((i + t) % 4) for i in range(len(completion))]
+            sample = Sample(prompt_ids=prompt, completion_ids=completion, logprobs=logprobs, seq=1, temperature=1.0)
+            trajectories.append(Trajectory(id=f"{step}-{g}-{t}", reward=float(t == g), samples=[sample]))
+        made.append(Group(key=f"{step}-{g}", trajectories=trajectories))
+    return made
+
+
+def rl(model_dir: Path, out: Path, steps: int) -> Any:
+    loaded = load_model(str(model_dir))
+    training = TrainingSettings.model_validate({"rl": {"batch_size": 2, "learning_rate": 1e-3, "eval_every": steps,
+                                                       "kl_coef": 0.05}})
+    config = RLConfig.from_settings(training, lora=SFTConfig.from_settings(training, **LORA))
+    return train_rl(loaded, config, out / "rl", steps=steps, batches=lambda step, _: groups(loaded.tokenizer, step),
+                    validate=lambda _: {"success_rate": 0.5, "valid_call_rate": 1.0})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("job", choices=["sft", "rl"])
+    parser.add_argument("model_dir", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    world = distributed.join(600)
+    if world is not None and not world.leads:
+        (result,) = distributed.follow(world)
+    elif args.job == "sft":
+        result = sft(args.model_dir, args.out, args.grad_accum)
+    else:
+        result = rl(args.model_dir, args.out, args.steps)
+    distributed.finish(world)
+    rank = world.rank if world else "single"
+    weights = {n: p.detach().contiguous() for n, p in result.model.named_parameters() if p.requires_grad}
+    save_file(weights, str(args.out / f"{rank}.safetensors"))
+    losses = result.losses if args.job == "sft" else [line["loss"] for line in result.history]
+    (args.out / f"{rank}.json").write_bytes(orjson.dumps({"losses": losses, "pid": os.getpid()}))
+
+
+if __name__ == "__main__":
+    main()
