@@ -16,9 +16,9 @@ shapes as they are):
                   as objects, as chat templates take them), then ``trajectory_id``, ``group_id``, ``task_id``,
                   ``source``, ``seq``, ``reward``, ``prompt_token_ids``, ``completion_token_ids``,
                   ``completion_logprobs``;
-  ``grpo/train.jsonl``  ``prompt`` (GRPOTrainer's conversational prompt-only type), ``tools``, ``group_id``, ``task_id``,
-                  ``trajectory_ids``, ``rewards``, ``captured_completions``, ``samples``: the extra columns reach reward
-                  functions as keyword arguments.
+  ``grpo/train.jsonl``  ``prompt`` (GRPOTrainer's conversational prompt-only type), ``tools``, ``group_id``,
+                  ``task_id``, ``trajectory_ids``, ``rewards``, ``captured_completions``, ``samples``: the extra
+                  columns reach reward functions as keyword arguments.
 
 verl (``verl/``, parquet, read with pandas as verl's datasets do). Parquet gives a column one type: objects of
 different shapes in one column come back with each other's keys as nulls, which a chat template would print into

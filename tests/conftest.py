@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from replay.store import TrajectoryStore
-from tests import markers
+from tests import leftovers, markers
 from tests.extras import skip_without
 from tests.postgres import PostgresServer, require_postgres
 from tests.processes import GatewayProcess, upstream_config
@@ -26,6 +26,18 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     markers.entering(item)
     for mark in item.iter_markers("extra"):
         skip_without(mark.args[0])
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config.stash[_STATUS] = int(exitstatus)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    # After the summary: a thread a test left behind would otherwise hang the run here, silently.
+    leftovers.exit_if_any_left(config.stash.get(_STATUS, 0))
+
+
+_STATUS = pytest.StashKey[int]()
 
 
 @pytest.fixture(scope="session")

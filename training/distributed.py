@@ -18,7 +18,6 @@ fails with nothing registered or published (torchrun also stops the remaining wo
 from __future__ import annotations
 
 import _thread
-import os
 import signal
 import threading
 from collections.abc import Callable, Sequence
@@ -103,18 +102,19 @@ def current() -> World | None:
 
 
 def join(timeout_seconds: float) -> World | None:
-    """Join the process group torchrun's environment describes (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...); None
-    when it names a single process. ``timeout_seconds``: how long a rank waits in a collective, as long as the
-    longest stage rank 0 runs alone (validation, the gate) while the others wait for their next job."""
+    """Under torchrun (or a launcher that starts its workers, as accelerate does): join the process group its
+    environment describes, which torch.distributed reads itself; None in a plain process or a world of one.
+    ``timeout_seconds``: how long a rank waits in a collective, as long as the longest stage rank 0 runs alone
+    (validation, the gate) while the others wait for their next job."""
     global _world
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size <= 1:
-        return None
-    if _world is None:
+    if _world is None and dist.is_torchelastic_launched():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(dist.get_node_local_rank(fallback_rank=0))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_seconds))
+        if dist.get_world_size() == 1:
+            dist.destroy_process_group()
+            return None
         _world = World(rank=dist.get_rank(), size=dist.get_world_size())
         signal.signal(signal.SIGTERM, _on_terminate)
         log.info("distributed.joined", rank=_world.rank, world_size=_world.size, backend=backend)

@@ -51,6 +51,7 @@ async def test_a_compacted_history_goes_on_in_its_session(store_location: str) -
     assert await _call(store, [SYSTEM, {"role": "user", "content": "something else"}], "no", session="s") != t1
     whole = await store.get_trajectory(t1, all_tenants=True)
     assert [c.seq for c in whole.calls] == [0, 1]
+    await store.close()
 
 
 async def test_resent_history_extends_and_edit_forks(store_location: str) -> None:

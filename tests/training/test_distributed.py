@@ -42,8 +42,7 @@ def torchrun(*args: str, env: dict[str, str] | None = None, timeout: float = 240
 
 
 def single(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(RANKS), *args], capture_output=True, text=True, timeout=240, cwd=ROOT,
-                          env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
+    return subprocess.run([sys.executable, str(RANKS), *args], capture_output=True, text=True, timeout=240, cwd=ROOT)
 
 
 def ended(out: Path, rank: str) -> tuple[list[float], dict[str, torch.Tensor]]:
