@@ -56,6 +56,7 @@ class Principal:
 
 
 OPEN = Principal(key_id=None, tenant=None)
+CAPTURE_HEADER = "X-Harness-Capture"  # "off": the admin key's requests are not recorded
 
 
 def _bearer(headers: Headers) -> str | None:
@@ -101,7 +102,9 @@ class Authenticator:
     async def authenticate(self, headers: Headers) -> Principal:
         secret = _bearer(headers)
         if self.is_admin(secret):
-            return Principal(key_id="admin", tenant=None, admin=True)
+            # A trainer running its episodes here records them itself, as rollouts: the admin may say so.
+            return Principal(key_id="admin", tenant=None, admin=True,
+                             capture=headers.get(CAPTURE_HEADER, "").strip().lower() != "off")
         if secret is None:
             if await self.is_open():
                 return OPEN

@@ -155,6 +155,11 @@ def replay_train_command(filters: Filters,
                          name: str | None = typer.Option(None, "--name", help="Adapter name (default: the suite's)."),
                          publish: str | None = typer.Option(None, "--publish", help="A running gateway's URL: upload, "
                                                             "publish and promote the adapter there if it passes."),
+                         gateway: str | None = typer.Option(None, "--gateway", help="A running gateway's URL: "
+                                                            "run every episode (rollouts, validation, the gate) "
+                                                            "through its backends, each adapter published there "
+                                                            "as a version first (admin key from "
+                                                            "HARNESS_ADMIN_KEY)."),
                          teacher: str | None = typer.Option(None, "--teacher", help="A model the gateway at "
                                                             "[training.correction] teacher_url (default --publish's "
                                                             "URL) serves, to label on-policy correction rounds "
@@ -170,6 +175,7 @@ def replay_train_command(filters: Filters,
     For example: harness replay-train --source proxy --min-reward 0.7 (docs/training.md)."""
     require_extra("train", "harness replay-train")
     from training import distributed
+    from training.on_gateway import GatewayRefused
     from training.replay_train import MODES, ReplayTrainError, replay_train
 
     settings = settings_or_exit(config)
@@ -192,9 +198,9 @@ def replay_train_command(filters: Filters,
             distributed.finish(world)
             raise typer.Exit(0)
         outcome = asyncio.run(replay_train(settings, filters, mode=mode, init=start, name=name, publish=publish,
-                                           console=console))
+                                           gateway=gateway, console=console))
         distributed.finish(world)
-    except (ReplayTrainError, distributed.RankFailure) as exc:
+    except (ReplayTrainError, GatewayRefused, distributed.RankFailure) as exc:
         # Nothing more is said to the other ranks: a rank that stops ends their next collective.
         fail(str(exc))
     raise typer.Exit(0 if outcome.decision and outcome.decision.passed else 1)

@@ -21,7 +21,8 @@ import structlog
 from rich.table import Table
 from tqdm import tqdm
 
-from gateway.backends.base import ChatRequest, ChatResult
+from gateway.agent.context import TokenCounter
+from gateway.backends.base import Backend, ChatRequest, ChatResult
 from gateway.backends.local import LocalBackend
 from gateway.backends.local.heap import release_free_memory
 from gateway.config import BackendSettings
@@ -46,15 +47,14 @@ class Report:
         return orjson.dumps(asdict(self), option=orjson.OPT_INDENT_2)
 
 
-class _WithAdapter:
-    """The backend as one adapter sees it: every request carries the adapter's name."""
+class WithAdapter:
+    """A backend as one adapter sees it: every request carries the adapter's name."""
 
-    def __init__(self, backend: LocalBackend, adapter: str | None) -> None:
+    def __init__(self, backend: Backend, adapter: str | None) -> None:
         self.backend = backend
         self.adapter = adapter
         self.name = backend.name
         self.models = backend.models
-        self.count_tokens = backend.count_tokens
 
     async def chat(self, request: ChatRequest) -> ChatResult:
         return await self.backend.chat(replace(request, adapter=self.adapter))
@@ -114,6 +114,11 @@ class Evaluator:
             self._adapters[folder] = name
         return self._adapters[folder]
 
+    async def serving(self, adapter: str | Path | None) -> tuple[Backend, TokenCounter | None]:
+        """What episodes of ``adapter`` (or the base) run on, and how their context is counted."""
+        engine = await self.started()
+        return WithAdapter(engine, await self._adapter_name(adapter)), engine.count_tokens
+
     async def release(self, adapter: str | Path) -> None:
         """Unload an adapter folder's weights (a folder rewritten since, or not needed again)."""
         name = self._adapters.pop(str(Path(adapter).resolve()), None)
@@ -124,8 +129,7 @@ class Evaluator:
                        recorder_for: RecorderFor | None = None, temperature: float = 0.0,
                        progress: str | None = None) -> list[Episode]:
         """Run every task once; with ``recorder_for`` each episode is also recorded (e.g. into the store)."""
-        engine = await self.started()
-        backend = _WithAdapter(engine, await self._adapter_name(adapter))
+        backend, token_counter = await self.serving(adapter)
         unseen = frozenset(test_only_markers(suite)["tools"])
         gate = asyncio.Semaphore(self.settings.eval_concurrency)
         bar = tqdm(total=len(tasks), desc=progress, unit="ep", disable=progress is None, leave=False)
@@ -136,7 +140,7 @@ class Evaluator:
                                             max_tokens=self.settings.eval_max_tokens, temperature=temperature,
                                             constrain_tool_calls=self.settings.constrain_tool_calls,
                                             unseen_tools=unseen, recorder_for=recorder_for,
-                                            token_counter=engine.count_tokens,
+                                            token_counter=token_counter,
                                             timeout_s=self.settings.episode_timeout_seconds or None)
             bar.update()
             return episode

@@ -29,6 +29,9 @@
 9. publish: with ``--publish URL``, a passing candidate is registered on that gateway instead (uploaded with
    its numbers), published and promoted through its admin routes.
 
+With ``--gateway URL`` every episode (correction and expert rounds, rollouts, validation, the gate) runs through
+that gateway's backends instead of the in-process engine (``training/on_gateway.py``).
+
 The run has a row in the store (``training/run_record.py``) from its start: each stage as it ends, then its curves,
 before/after table and gate decision, or why it failed; the console's training pages read it from any host.
 """
@@ -63,6 +66,7 @@ from training.gating import gate_reports
 from training.general import GeneralCheck
 from training.groups import Group, similar_batches
 from training.metrics import rank
+from training.on_gateway import GatewayEvaluator, error_message
 from training.references import ReferenceCache
 from training.rl import RLConfig, train_rl
 from training.rollouts import Rollouts, groups_from_store
@@ -91,7 +95,7 @@ class Outcome:
 
 
 async def replay_train(settings: HarnessSettings, filters: Filters, *, mode: str = "sft", init: str | None = None,
-                       name: str | None = None, publish: str | None = None,
+                       name: str | None = None, publish: str | None = None, gateway: str | None = None,
                        console: Console | None = None) -> Outcome:
     """The whole pipeline (see the module doc). ``mode``: sft, rl or sft+rl; ``init``: the adapter folder RL starts
     from in ``rl`` mode, or ``"base"`` for a fresh adapter (default: the adapter's active version, else fresh)."""
@@ -106,16 +110,16 @@ async def replay_train(settings: HarnessSettings, filters: Filters, *, mode: str
     record = await RunRecord.start(settings.store, name=name, mode=mode, run_dir=run_dir)
     stage = Stages(console, on_stage=record.stage_ended)
     try:
-        return await _pipeline(settings, filters, mode=mode, init=init, name=name, publish=publish, console=console,
-                               suite=suite, run_dir=run_dir, stage=stage, record=record)
+        return await _pipeline(settings, filters, mode=mode, init=init, name=name, publish=publish, gateway=gateway,
+                               console=console, suite=suite, run_dir=run_dir, stage=stage, record=record)
     except BaseException as exc:  # an interrupted run too: its row must not say it is still running
         await record.fail(exc, stage.records)
         raise
 
 
 async def _pipeline(settings: HarnessSettings, filters: Filters, *, mode: str, init: str | None, name: str,
-                    publish: str | None, console: Console, suite: Suite, run_dir: Path, stage: Stages,
-                    record: RunRecord) -> Outcome:
+                    publish: str | None, gateway: str | None, console: Console, suite: Suite, run_dir: Path,
+                    stage: Stages, record: RunRecord) -> Outcome:
     """Select to publish (see the module doc), into ``run_dir``, each stage through ``stage``."""
     training = settings.training
     outcome = Outcome(run_dir=run_dir, run_id=record.run_id)
@@ -148,7 +152,9 @@ async def _pipeline(settings: HarnessSettings, filters: Filters, *, mode: str, i
     general = GeneralCheck(training)
     expert_rounds: list[dict[str, Any]] | None = None
     correction_rounds_done: list[dict[str, Any]] | None = None
-    async with Evaluator(training) as evaluator:
+    evaluator = Evaluator(training) if gateway is None else GatewayEvaluator(
+        training, gateway, settings.server.admin_key, run=run_dir.name, key_env=settings.server.admin_key_env)
+    async with evaluator:
         if "sft" in mode:
             candidate, validation, demonstrations = await _sft(settings, filters, suite, gate_tasks, general,
                                                                evaluator, run_dir / "sft" if "rl" in mode else run_dir,
@@ -369,8 +375,4 @@ def _publish(server: ServerSettings, url: str, name: str, base: str, folder: Pat
 
 def _check(response: httpx.Response) -> None:
     if response.status_code >= 400:
-        try:
-            message = response.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = response.text[:300]
-        raise ReplayTrainError(f"the gateway answered {response.status_code}: {message}")
+        raise ReplayTrainError(f"the gateway answered {response.status_code}: {error_message(response)}")

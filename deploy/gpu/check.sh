@@ -11,7 +11,8 @@
 #   sft       replay-train --mode sft on CUDA (bf16 autocast): train, validate, gate, and with a pass publish
 #             to the gateway, which loads the adapter into SGLang
 #   served    SGLang lists the published version; a chat through the gateway to it answers
-#   rl        replay-train --mode rl, one step of rollouts and an update from the published adapter
+#   rl        replay-train --mode rl --gateway: one step of rollouts on SGLang through the gateway (the step's
+#             adapter published there as a version first) and an update from the published adapter
 # A line a stage: "ok STAGE SECONDS detail" or "FAIL STAGE SECONDS detail"; then the total against the 600 s budget.
 # Exit status 0 when every stage passed within the budget. Processes it started are stopped on exit.
 #
@@ -133,9 +134,11 @@ HARNESS_TRAINING__MODEL_PATH=$(cat "$WORK/model_path")
 stage sft harness replay-train --mode sft --source demo --publish "http://127.0.0.1:$GATEWAY_PORT"
 stage served served
 # From the published adapter (the registry's active version, replay-train's default start): one step of rollouts
-# and one update; exit 1 (RL's candidate refused by the gate) still shows the loop ran.
-stage rl bash -c 'HARNESS_TRAINING__RL__STEPS=1 HARNESS_TRAINING__RL__TASKS_PER_STEP=4 "$0" -m harness \
-    replay-train --mode rl --source demo || [[ $? == 1 ]]' "$HARNESS_PYTHON"
+# on SGLang through the gateway (which takes no constrain_tool_calls) and one update; exit 1 (RL's candidate
+# refused by the gate) still shows the loop ran.
+stage rl bash -c 'HARNESS_TRAINING__RL__STEPS=1 HARNESS_TRAINING__RL__TASKS_PER_STEP=4 \
+    HARNESS_TRAINING__CONSTRAIN_TOOL_CALLS=false "$0" -m harness replay-train --mode rl --source demo \
+    --gateway "http://127.0.0.1:$1" || [[ $? == 1 ]]' "$HARNESS_PYTHON" "$GATEWAY_PORT"
 
 total=$(($(date +%s) - began))
 if ((failed == 0 && total <= BUDGET)); then

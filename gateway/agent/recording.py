@@ -63,7 +63,9 @@ class StoreRecorder:
                 request_messages=messages, request_prefix=hashing.prefix_hashes(messages),
                 status="ok" if record.error is None else "error", source=self.source, tenant=self.tenant,
                 key_id=self.key_id, requested_model=f"agent:{self.profile.name}", base_model=self.profile.model,
-                backend=self.backend, tools=record.request.get("tools"),
+                # A pool's member (or a gateway's backend) that answered, where the backend named one.
+                backend=(record.result.backend if record.result else None) or self.backend,
+                tools=record.request.get("tools"),
                 params={**{k: v for k, v in record.request.items() if k not in ("messages", "tools", "model")},
                         "purpose": record.purpose, "step": record.step},
                 response=response, error=record.error, prompt_tokens=int(usage.get("prompt_tokens") or 0),

@@ -10,6 +10,7 @@ from gateway.agent.service import AGENT_PREFIX
 from gateway.api.agent import agent_chat
 from gateway.api.common import json_response, read_json_body
 from gateway.api.exchange import Relay, choose_model, complete, open_exchange, open_stream
+from gateway.backends import token_capture
 from gateway.context import RequestContext
 from gateway.errors import APIError, error_body
 from gateway.protocol.chat import validate_chat_request
@@ -24,9 +25,16 @@ async def chat_completions(ctx: RequestContext) -> Response:
     parsed = validate_chat_request(body)
     if choose_model(ctx, principal, parsed, body).startswith(AGENT_PREFIX):
         return await agent_chat(ctx, principal, parsed, body)
+    tokens = bool(body.pop(token_capture.GATEWAY_FIELD, None))
+    if tokens and parsed.stream:
+        raise APIError(400, "return_token_ids is answered only when stream is false", param="return_token_ids",
+                       code="unsupported_parameter")
     exchange = await open_exchange(ctx, principal, body, parsed)
+    exchange.tokens = tokens
     if not parsed.stream:
         result = await complete(ctx, exchange)
+        if tokens:
+            token_capture.attach(result.response, result.extras)
         return json_response(result.response, headers=exchange.headers)
     stream = await open_stream(ctx, exchange)
     wants_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)

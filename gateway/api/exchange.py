@@ -21,6 +21,7 @@ from gateway.agent.validation import function_schemas
 from gateway.api.fallbacks import Renamed, with_fallbacks
 from gateway.api.limits import admit, prompt_counter
 from gateway.auth import Principal
+from gateway.backends import token_capture
 from gateway.backends.base import Backend, BackendError, ChatRequest, ChatResult, ChunkStream
 from gateway.context import RequestContext
 from gateway.errors import APIError, store_unavailable
@@ -92,6 +93,8 @@ class Exchange:
     member: str | None = None
     # Calls that failed before a fallback model was tried, recorded with whatever follows them.
     failed: list[CallRecord] = field(default_factory=list)
+    # The caller asked for the token ids and log-probabilities its answer was sampled with (return_token_ids).
+    tokens: bool = False
 
     @property
     def backend(self) -> Backend:
@@ -99,10 +102,13 @@ class Exchange:
 
     def chat_request(self, body: dict[str, Any] | None = None) -> ChatRequest:
         return ChatRequest(body=self.body if body is None else body, model=self.target.base,
-                           tenant=self.principal.tenant, max_tokens_ceiling=self.max_tokens_ceiling)
+                           tenant=self.principal.tenant, max_tokens_ceiling=self.max_tokens_ceiling,
+                           tokens=self.tokens)
 
     @property
     def headers(self) -> dict[str, str]:
+        if self.tokens:  # the tokens are the answering backend's: a caller that trains on them needs its name
+            return {TRAJECTORY_HEADER: self.ref.id, token_capture.BACKEND_HEADER: self.member or self.backend.name}
         return {TRAJECTORY_HEADER: self.ref.id}
 
     def record(self, *, status: str, response: dict[str, Any] | None = None, error: str | None = None,
@@ -264,7 +270,8 @@ async def _guard(ctx: RequestContext, exchange: Exchange, result: ChatResult, re
     client sees them; appends the record of every call made, the first included."""
     schemas = function_schemas(exchange.body.get("tools"))
     sent = exchange.body["messages"]
-    retries = ctx.gateway.settings.server.guard_retries
+    # A caller that trains on the tokens it is answered needs the answer to its own messages: checked, not retried.
+    retries = 0 if exchange.tokens else ctx.gateway.settings.server.guard_retries
     for attempt in range(retries + 1):
         _one_call_unless_parallel(exchange, result)
         checked = guard.check_message(result.message, schemas) if schemas else []

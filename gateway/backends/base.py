@@ -16,7 +16,8 @@ class ChatRequest:
     request it is: a backend that keeps state across requests (the embedded model's prefix cache) keeps each
     tenant's apart. With ``max_tokens_ceiling`` the body's ``max_tokens`` is an upper bound, not a demand (the
     Anthropic API's, which clients set to the largest a model allows): a backend lowers it to what it can give
-    instead of refusing the request.
+    instead of refusing the request. With ``tokens`` the caller wants the token ids and log-probabilities the
+    answer was sampled with (``CallExtras``): a backend that can ask its server for them does.
     """
 
     body: dict[str, Any]
@@ -24,6 +25,7 @@ class ChatRequest:
     adapter: str | None = None
     tenant: str | None = None
     max_tokens_ceiling: bool = False
+    tokens: bool = False
 
 
 @dataclass

@@ -12,7 +12,15 @@ from typing import Any
 
 import orjson
 
-from gateway.backends.base import AdapterNotLoaded, BackendError, BackendUnavailable, ChatRequest, ChatResult
+from gateway.backends import token_capture
+from gateway.backends.base import (
+    AdapterNotLoaded,
+    BackendError,
+    BackendUnavailable,
+    CallExtras,
+    ChatRequest,
+    ChatResult,
+)
 from gateway.backends.openai_compat import OpenAICompatBackend, UpstreamStream
 from gateway.backends.upstream_http import Reply, Unreached
 
@@ -29,6 +37,7 @@ class _LoRAServer(OpenAICompatBackend):
     load_route = "/load_lora_adapter"
     unload_route = "/unload_lora_adapter"
     info_route = "/v1/models"
+    token_fields: dict[str, Any] = {}  # what a request adds to be answered with its token ids and log-probabilities
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -92,11 +101,21 @@ class _LoRAServer(OpenAICompatBackend):
             return AdapterNotLoaded(exc.message, adapter=request.adapter)
         return exc
 
+    def _body(self, request: ChatRequest, stream: bool) -> dict[str, Any]:
+        body = super()._body(request, stream)
+        return {**body, **self.token_fields} if request.tokens and not stream else body
+
+    def _token_extras(self, response: dict[str, Any], *, logprobs_asked: bool) -> CallExtras:
+        raise NotImplementedError
+
     async def chat(self, request: ChatRequest) -> ChatResult:
         try:
-            return await super().chat(request)
+            result = await super().chat(request)
         except BackendError as exc:
             raise self._missing_adapter(request, exc) from None
+        if request.tokens:
+            result.extras = self._token_extras(result.response, logprobs_asked=bool(request.body.get("logprobs")))
+        return result
 
     async def stream(self, request: ChatRequest) -> UpstreamStream:
         try:
@@ -110,6 +129,10 @@ class SGLangBackend(_LoRAServer):
     may evict an idle adapter under ``--max-loaded-loras`` (a request for it then reloads it)."""
 
     info_route = "/get_model_info"
+    token_fields = token_capture.SGLANG_FIELDS
+
+    def _token_extras(self, response: dict[str, Any], *, logprobs_asked: bool) -> CallExtras:
+        return token_capture.from_sglang(response, logprobs_asked=logprobs_asked)
 
     def upstream_model(self, request: ChatRequest) -> str:
         return f"{request.model}:{request.adapter}" if request.adapter else request.model
@@ -123,6 +146,10 @@ class VLLMBackend(_LoRAServer):
 
     load_route = "/v1/load_lora_adapter"
     unload_route = "/v1/unload_lora_adapter"
+    token_fields = token_capture.VLLM_FIELDS
+
+    def _token_extras(self, response: dict[str, Any], *, logprobs_asked: bool) -> CallExtras:
+        return token_capture.from_vllm(response, logprobs_asked=logprobs_asked)
 
     def upstream_model(self, request: ChatRequest) -> str:
         return request.adapter or request.model

@@ -120,6 +120,9 @@ class OpenAICompatBackend(HTTPBackend):
     async def _answer(self, body: dict[str, Any], path: str, holds: str) -> dict[str, Any]:
         """A whole answer, which must be a JSON object with the list ``holds``."""
         _, content = await self._send(body, stream=False, path=path)
+        return self._parsed(content, holds)
+
+    def _parsed(self, content: bytes, holds: str) -> dict[str, Any]:
         try:
             data = orjson.loads(content)
         except orjson.JSONDecodeError:

@@ -294,6 +294,8 @@ class ChatCompletionRequest(Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     prompt_cache_key: str | None = None
+    # This gateway's own: answer with the token ids and log-probabilities sampled (backends.token_capture).
+    return_token_ids: bool | None = None
 
     @field_validator("stop")
     @classmethod

@@ -4,12 +4,18 @@
 The answer names what served it (``served by sql@3``, ``served by base``), so a test sees the routing. A last user
 message ``slow:SECONDS`` holds the answer that long (a stream sends its first chunk, then waits), which keeps a
 request in flight for drain tests.
+
+A plain answer asked for its tokens (``token_fields``) carries them in the server's own form (``add_tokens``): one
+token a word, with ids unique across every stand-in of the process and random log-probabilities, each kept in
+``sampled`` so a test can tell which server sampled what.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -23,6 +29,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 BASE = "base"
+_TOKEN_IDS = itertools.count(1000)  # shared by every stand-in: an id names the server that sampled it
 """The ``in_flight`` key, and the name in ``served by ...``, of a request that uses no adapter."""
 
 
@@ -66,12 +73,20 @@ class LoRAServerStandIn:
         self.loaded: dict[str, str] = {}
         self.in_flight: dict[str, int] = {}
         self.unload_in_flight: list[tuple[str, int]] = []
+        self.sampled: list[dict[str, Any]] = []
         self.app = Starlette(routes=[*self.routes(),
                                      Route("/_standin/restart", self._restart_route, methods=["POST"]),
                                      Route("/_standin/state", self._state_route, methods=["GET"])])
 
     def routes(self) -> list[Route]:
         raise NotImplementedError
+
+    def add_tokens(self, body: dict[str, Any], answer: dict[str, Any], ids: list[int], logprobs: list[float]) -> None:
+        """Put the sampled tokens into ``answer`` as the real server does, where ``body`` asked for them."""
+
+    def weights_of(self, served: str) -> str | None:
+        """The adapter folder an answer of ``served`` was computed with (None: the base)."""
+        return self.loaded.get(served)
 
     def restart(self) -> None:
         """What a restart of the server does to its adapters: the ones loaded at runtime are gone."""
@@ -124,8 +139,19 @@ class LoRAServerStandIn:
             finally:
                 self._leave(served)
             message = {"role": "assistant", "content": content}
-            return json_response({**head, "object": "chat.completion", "usage": usage, "choices": [
-                {"index": 0, "message": message, "logprobs": None, "finish_reason": "stop"}]})
+            answer = {**head, "object": "chat.completion", "usage": usage, "choices": [
+                {"index": 0, "message": message, "logprobs": None, "finish_reason": "stop"}]}
+            words = content.split(" ")
+            ids = [next(_TOKEN_IDS) for _ in words]
+            logprobs = [round(random.uniform(-3.0, -0.01), 6) for _ in words]
+            if body.get("logprobs"):
+                answer["choices"][0]["logprobs"] = {"content": [
+                    {"token": w, "logprob": lp, "bytes": list(w.encode()), "top_logprobs": []}
+                    for w, lp in zip(words, logprobs, strict=True)]}
+            self.add_tokens(body, answer, ids, logprobs)
+            self.sampled.append({"served": served, "weights": self.weights_of(served), "token_ids": ids,
+                                 "logprobs": logprobs})
+            return json_response(answer)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return _TrackedStream(self._chunks(head, content, usage if include_usage else None, delay),
                               on_close=lambda: self._leave(served))

@@ -231,6 +231,17 @@ class SGLangStandIn(LoRAServerStandIn):
 
     # -- chat ------------------------------------------------------------------------------------------------
 
+    def add_tokens(self, body: dict[str, Any], answer: dict[str, Any], ids: list[int], logprobs: list[float]) -> None:
+        """``return_prompt_token_ids``: the choice's ``prompt_token_ids``; ``return_meta_info``: its ``meta_info``,
+        whose ``output_token_logprobs`` are ``[logprob, id, None]`` (text only with ``return_text_in_logprobs``)."""
+        choice = answer["choices"][0]
+        if body.get("return_prompt_token_ids"):
+            choice["prompt_token_ids"] = list(range(1, 11))
+        if body.get("return_meta_info"):
+            choice["meta_info"] = {"id": answer["id"], "prompt_tokens": 10, "completion_tokens": len(ids),
+                                   "output_token_logprobs": [[lp, i, None] for lp, i in zip(logprobs, ids,
+                                                                                             strict=True)]}
+
     def parse_model(self, model: str) -> tuple[str, str | None]:
         """``base:adapter`` → (base, adapter); the served name itself may contain colons."""
         if ":" not in model or model == self.served_model_name:

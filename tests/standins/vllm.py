@@ -20,6 +20,10 @@ Routes, bodies and status codes as the real server answers them:
 - ``GET /health``: 200, empty body.
 
 ``restart()`` (or ``POST /_standin/restart``) forgets every runtime-loaded adapter; ``--lora-modules`` come back.
+
+Its prefix cache is kept per adapter name, and an in-place reload (``load_inplace``) does not clear it, as users of
+vLLM report: the answers of a name reloaded in place still come from the weights it was first served with
+(``weights_of``).
 """
 
 from __future__ import annotations
@@ -71,6 +75,18 @@ class VLLMStandIn(LoRAServerStandIn):
 
     def restart(self) -> None:
         self.loaded = dict(self.lora_modules)
+        self.prefix_cache: dict[str, str] = {}  # adapter name -> the weights its cached prefixes were computed with
+
+    def weights_of(self, served: str) -> str | None:
+        if served not in self.loaded:
+            return None
+        return self.prefix_cache.setdefault(served, self.loaded[served])
+
+    def add_tokens(self, body: dict[str, Any], answer: dict[str, Any], ids: list[int], logprobs: list[float]) -> None:
+        """``return_token_ids``: the response's ``prompt_token_ids`` and the choice's ``token_ids``."""
+        if body.get("return_token_ids"):
+            answer["prompt_token_ids"] = list(range(1, 11))
+            answer["choices"][0]["token_ids"] = ids
 
     async def health(self, request: Request) -> Response:
         await self.read(request)
@@ -114,6 +130,7 @@ class VLLMStandIn(LoRAServerStandIn):
         if name not in self.loaded:
             return _error(f"The lora adapter '{name}' cannot be found.", "NotFoundError", 404)
         del self.loaded[name]
+        self.prefix_cache.pop(name, None)
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", status_code=200)
 
     async def chat(self, request: Request) -> Response:

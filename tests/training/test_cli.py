@@ -66,6 +66,11 @@ def test_usage_errors_are_clear(env: dict[str, str], tmp_path: Path) -> None:
     result = runner.invoke(app, ["replay-train", "--mode", "rl", "--source", "proxy"],
                            env={**env, "HARNESS_TRAINING__RL__STEPS": "0"})
     assert result.exit_code == 1 and "no trajectories match" in result.output
+    gateway = ["replay-train", "--mode", "rl", "--init", "base", "--gateway", "http://127.0.0.1:9"]
+    result = runner.invoke(app, gateway, env={**env, "HARNESS_ADMIN_KEY": ""})
+    assert result.exit_code == 1 and "needs its admin key in HARNESS_ADMIN_KEY" in result.output
+    result = runner.invoke(app, gateway, env={**env, "HARNESS_ADMIN_KEY": "secret"})
+    assert result.exit_code == 1 and "could not be reached" in " ".join(result.output.split())
 
 
 def test_tasks_list_names_each_task(env: dict[str, str]) -> None:

@@ -109,3 +109,15 @@ def test_streamed_fidelity_fragments_reasoning_and_finish_reasons(tmp_path: Path
         assert chunks[-1].usage.total_tokens == 15
         text = list(_client(served.url).chat.completions.create(model="scripted-model", messages=ASK, stream=True))
         assert [c.choices[0].finish_reason for c in text if c.choices and c.choices[0].finish_reason] == ["stop"]
+
+
+def test_a_caller_asking_for_its_tokens_gets_the_answer_to_its_own_messages(retried) -> None:
+    """A retried answer was sampled from other messages than the caller sent: one who trains on the tokens it is
+    answered (return_token_ids) gets the first answer, checked but not retried."""
+    raw = _client(retried.url).chat.completions.with_raw_response.create(
+        model="scripted-model", messages=ASK, tools=TOOLS, extra_body={"return_token_ids": True})
+    [tool_call] = raw.parse().choices[0].message.tool_calls
+    assert tool_call.id == "call_bad"
+    assert [r["messages"] for r in retried.backend.requests] == [ASK]
+    assert [(r[1], r[2]) for r in _tool_rows(retried)] == [(0, "returned")]
+    assert raw.headers["x-harness-backend"] == "scripted"
