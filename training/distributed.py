@@ -1,15 +1,17 @@
 """Training on several processes: torch.distributed, one rank a device, launched by ``torchrun`` (or
 ``accelerate launch``, which starts torchrun's workers) on ``harness replay-train``.
 
-Rank 0 leads. It alone runs the pipeline around the updates (select, reward, build, validation, the gate, the
+Rank 0 leads. It alone runs the pipeline around the updates (select, reward, build, the recorded episodes, the
 registry, the store's row of the run, checkpoints, metrics and plots); each time it trains (``train_sft``,
 ``train_rl``) it first hands the job to the other ranks, which wait for it in ``follow``. Every rank trains on
 its share of each step's micro-batches; their gradients are summed across the ranks (``World.sum_``: one
 all-reduce of a flat bucket, DDP's reduction without its overlap, which buys little for the few LoRA tensors)
 before the optimizer step, so all ranks hold the same weights after every step, and a step on W ranks is the step
-one process takes on the same global batch (W times the micro-batches). RL's rollouts and every validation run on
+one process takes on the same global batch (W times the micro-batches). RL's rollouts and validations run on
 rank 0; their results (the step's groups, the validation metrics) reach the others with ``World.share``, so every
-rank judges rollbacks alike.
+rank judges rollbacks alike. Validation between training jobs (SFT's checkpoints, the correction and expert rounds,
+the gate) is itself handed out: each rank runs its share of the episodes on an engine of its own, and rank 0
+gathers them back in order (``training/evaluate.py``).
 
 A rank that stops (an error, a kill) breaks the others' next collective: they raise ``RankFailure`` and the run
 fails with nothing registered or published (torchrun also stops the remaining workers).
@@ -83,6 +85,12 @@ class World:
                 p.grad = torch.zeros_like(p)
         self.sum_([p.grad for p in params] + [extra], during=during)
 
+    def gather(self, value: Any, *, during: str = "a hand-back") -> list[Any]:
+        """Every rank's ``value`` (pickled), in rank order, on every rank."""
+        gathered: list[Any] = [None] * self.size
+        _collective(lambda: dist.all_gather_object(gathered, value), during)
+        return gathered
+
     def sync(self, params: Sequence[torch.Tensor], *, during: str = "a weight sync") -> None:
         """Rank 0's values of ``params`` on every rank."""
         for p in params:
@@ -105,7 +113,7 @@ def join(timeout_seconds: float) -> World | None:
     """Under torchrun (or a launcher that starts its workers, as accelerate does): join the process group its
     environment describes, which torch.distributed reads itself; None in a plain process or a world of one.
     ``timeout_seconds``: how long a rank waits in a collective, as long as the longest stage rank 0 runs alone
-    (validation, the gate) while the others wait for their next job."""
+    (the recorded episodes: RL's rollouts, correction rounds) while the others wait for their next job."""
     global _world
     if _world is None and dist.is_torchelastic_launched():
         backend = "nccl" if torch.cuda.is_available() else "gloo"

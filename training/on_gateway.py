@@ -87,6 +87,7 @@ class GatewayEvaluator(Evaluator):
             read_timeout=max(settings.episode_timeout_seconds, 600.0), max_retries=2, api_key=admin_key))
         self.admin = httpx.AsyncClient(base_url=self.url, headers={"Authorization": f"Bearer {admin_key}"},
                                        timeout=600.0)
+        self.spread = False  # the gateway balances the episodes; the other ranks have no gateway of their own
         self._versions: dict[str, int] = {}  # folder -> its version under self.name
         self._started = False
 

@@ -319,8 +319,9 @@ async def _rl(settings: HarnessSettings, selected: list[str], start: Path | None
             return asyncio.run_coroutine_threadsafe(rollouts.collect(step, policy), loop).result()
 
         async def validation(folder: Path) -> dict[str, Any]:
-            report = await evaluator.evaluate(suite.name, "validation", folder, limit=rl.validation_tasks,
-                                              label=folder.name)
+            with evaluator.alone():  # called from inside RL's training job
+                report = await evaluator.evaluate(suite.name, "validation", folder, limit=rl.validation_tasks,
+                                                  label=folder.name)
             await evaluator.release(folder)
             return report.metrics
 

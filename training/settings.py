@@ -175,7 +175,8 @@ class TrainingSettings(Section):
                             "batch_size times this times the ranks torchrun starts).")
     rank_timeout_seconds: float = Field(7200.0, gt=0, description="Under torchrun: how long a rank waits for the "
                                         "others in one hand-over or all-reduce; at least the longest stage rank 0 "
-                                        "runs alone (validation, the gate) while the others wait.")
+                                        "runs alone (recorded episodes: RL's rollouts, correction rounds) while "
+                                        "the others wait.")
     micro_batch_positions: int = Field(768, ge=0, description="Most positions the decoder runs for one micro-batch "
                                        "(its rows' shared prompt once, the rest once a row, padding included): a "
                                        "wider one trains a row at a time, with the same gradient, which bounds the "

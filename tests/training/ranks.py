@@ -1,7 +1,7 @@
 """A training job on one rank, for the distributed tests: run under torchrun (each rank writes what it ended with)
 or as one process (the same job on the same global batch, for comparison).
 
-    python tests/training/ranks.py sft|rl MODEL_DIR OUT_DIR --grad-accum N
+    python tests/training/ranks.py sft|rl|eval MODEL_DIR OUT_DIR --grad-accum N
 """
 
 from __future__ import annotations
@@ -68,9 +68,27 @@ def rl(model_dir: Path, out: Path, steps: int) -> Any:
                     validate=lambda _: {"success_rate": 0.5, "valid_call_rate": 1.0})
 
 
+def evaluate(model_dir: Path, out: Path) -> list[Any]:
+    """Greedy episodes of the first validation tasks, spread over the ranks under torchrun."""
+    import asyncio
+
+    from training.evaluate import Evaluator
+    from training.tasks import get_suite
+
+    settings = TrainingSettings(model_path=str(model_dir), eval_max_tokens=6, eval_concurrency=4,
+                                tasks_dir=str(out / "tasks"))
+    suite = get_suite("tools", data_dir=settings.tasks_dir)
+
+    async def run() -> list[Any]:
+        async with Evaluator(settings) as evaluator:
+            return await evaluator.episodes(suite, suite.tasks("validation")[:7])
+
+    return asyncio.run(run())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("job", choices=["sft", "rl"])
+    parser.add_argument("job", choices=["sft", "rl", "eval"])
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--grad-accum", type=int, default=1)
@@ -78,6 +96,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     world = distributed.join(600)
+    if args.job == "eval":
+        episodes = distributed.follow(world)[0] if world is not None and not world.leads \
+            else evaluate(args.model_dir, args.out)
+        distributed.finish(world)
+        rank = world.rank if world else "single"
+        (args.out / f"{rank}.json").write_bytes(orjson.dumps([
+            {"task": e.task_id, "success": e.success, "steps": e.steps, "final": e.final, "status": e.status}
+            for e in episodes]))
+        return
     if world is not None and not world.leads:
         (result,) = distributed.follow(world)
     elif args.job == "sft":

@@ -93,6 +93,21 @@ def test_an_rl_update_on_two_ranks_equals_one_process_on_the_same_groups(tiny_mo
     assert sorted(p.name for p in written.iterdir()) == ["checkpoint-0", "checkpoint-2", "metrics.jsonl", "rl.png"]
 
 
+def test_validation_episodes_are_spread_over_the_ranks_and_gathered_in_order(tiny_model_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    one = single("eval", str(tiny_model_dir), str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = torchrun(str(RANKS), "eval", str(tiny_model_dir), str(tmp_path / "two"))
+    assert two.returncode == 0, two.stderr[-3000:]
+    alone = orjson.loads((tmp_path / "one" / "single.json").read_bytes())
+    gathered = orjson.loads((tmp_path / "two" / "0.json").read_bytes())
+    ran = orjson.loads((tmp_path / "two" / "1.json").read_bytes())
+    assert len(alone) == 7 and all(e["steps"] for e in alone)
+    # Rank 1 ran every second episode on its own engine; rank 0 put them back in the tasks' order.
+    assert ran == alone[1::2]
+    assert gathered == alone
+
+
 @pytest.fixture
 def env(tmp_path: Path, tiny_model_dir: Path) -> dict[str, str]:
     general = tmp_path / "general.jsonl"
