@@ -8,6 +8,7 @@ in their probes. vLLM accepts runtime loading only when started with ``VLLM_ALLO
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -37,7 +38,9 @@ class _LoRAServer(OpenAICompatBackend):
     load_route = "/load_lora_adapter"
     unload_route = "/unload_lora_adapter"
     info_route = "/v1/models"
-    token_fields: dict[str, Any] = {}  # what a request adds to be answered with its token ids and log-probabilities
+    # What a request adds to be answered with its token ids and log-probabilities, and what reads them back.
+    token_fields: dict[str, Any] = {}
+    read_tokens: Callable[..., CallExtras]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -105,16 +108,13 @@ class _LoRAServer(OpenAICompatBackend):
         body = super()._body(request, stream)
         return {**body, **self.token_fields} if request.tokens and not stream else body
 
-    def _token_extras(self, response: dict[str, Any], *, logprobs_asked: bool) -> CallExtras:
-        raise NotImplementedError
-
     async def chat(self, request: ChatRequest) -> ChatResult:
         try:
             result = await super().chat(request)
         except BackendError as exc:
             raise self._missing_adapter(request, exc) from None
         if request.tokens:
-            result.extras = self._token_extras(result.response, logprobs_asked=bool(request.body.get("logprobs")))
+            result.extras = self.read_tokens(result.response, logprobs_asked=bool(request.body.get("logprobs")))
         return result
 
     async def stream(self, request: ChatRequest) -> UpstreamStream:
@@ -130,9 +130,7 @@ class SGLangBackend(_LoRAServer):
 
     info_route = "/get_model_info"
     token_fields = token_capture.SGLANG_FIELDS
-
-    def _token_extras(self, response: dict[str, Any], *, logprobs_asked: bool) -> CallExtras:
-        return token_capture.from_sglang(response, logprobs_asked=logprobs_asked)
+    read_tokens = staticmethod(token_capture.from_sglang)
 
     def upstream_model(self, request: ChatRequest) -> str:
         return f"{request.model}:{request.adapter}" if request.adapter else request.model
@@ -147,9 +145,7 @@ class VLLMBackend(_LoRAServer):
     load_route = "/v1/load_lora_adapter"
     unload_route = "/v1/unload_lora_adapter"
     token_fields = token_capture.VLLM_FIELDS
-
-    def _token_extras(self, response: dict[str, Any], *, logprobs_asked: bool) -> CallExtras:
-        return token_capture.from_vllm(response, logprobs_asked=logprobs_asked)
+    read_tokens = staticmethod(token_capture.from_vllm)
 
     def upstream_model(self, request: ChatRequest) -> str:
         return request.adapter or request.model

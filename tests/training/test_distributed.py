@@ -45,6 +45,15 @@ def single(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(RANKS), *args], capture_output=True, text=True, timeout=240, cwd=ROOT)
 
 
+def one_and_two(job: str, model_dir: Path, tmp_path: Path, one: tuple[str, ...] = (),
+                two: tuple[str, ...] = ()) -> None:
+    """``job`` of ranks.py as one process into ``tmp_path/one``, then on two ranks into ``tmp_path/two``."""
+    alone = single(job, str(model_dir), str(tmp_path / "one"), *one)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    ranked = torchrun(str(RANKS), job, str(model_dir), str(tmp_path / "two"), *two)
+    assert ranked.returncode == 0, ranked.stderr[-3000:]
+
+
 def ended(out: Path, rank: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     return orjson.loads((out / f"{rank}.json").read_bytes())["losses"], load_file(str(out / f"{rank}.safetensors"))
 
@@ -66,10 +75,7 @@ def assert_same_run(one: Path, two: Path) -> None:
 
 def test_sft_on_two_ranks_takes_the_steps_of_one_process_on_the_same_global_batch(tiny_model_dir: Path,
                                                                                     tmp_path: Path) -> None:
-    one = single("sft", str(tiny_model_dir), str(tmp_path / "one"), "--grad-accum", "2")
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = torchrun(str(RANKS), "sft", str(tiny_model_dir), str(tmp_path / "two"), "--grad-accum", "1")
-    assert two.returncode == 0, two.stderr[-3000:]
+    one_and_two("sft", tiny_model_dir, tmp_path, ("--grad-accum", "2"), ("--grad-accum", "1"))
     assert_same_run(tmp_path / "one", tmp_path / "two")
     losses = ended(tmp_path / "one", "single")[0]
     assert len(losses) == 6  # 24 rows, 2 a micro-batch, 4 micro-batches a step
@@ -82,10 +88,7 @@ def test_sft_on_two_ranks_takes_the_steps_of_one_process_on_the_same_global_batc
 
 def test_an_rl_update_on_two_ranks_equals_one_process_on_the_same_groups(tiny_model_dir: Path,
                                                                          tmp_path: Path) -> None:
-    one = single("rl", str(tiny_model_dir), str(tmp_path / "one"))
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = torchrun(str(RANKS), "rl", str(tiny_model_dir), str(tmp_path / "two"))
-    assert two.returncode == 0, two.stderr[-3000:]
+    one_and_two("rl", tiny_model_dir, tmp_path)
     assert_same_run(tmp_path / "one", tmp_path / "two")
     written = tmp_path / "two" / "rl"
     lines = [json.loads(line) for line in (written / "metrics.jsonl").read_text().splitlines()]
@@ -95,10 +98,7 @@ def test_an_rl_update_on_two_ranks_equals_one_process_on_the_same_groups(tiny_mo
 
 def test_validation_episodes_are_spread_over_the_ranks_and_gathered_in_order(tiny_model_dir: Path,
                                                                              tmp_path: Path) -> None:
-    one = single("eval", str(tiny_model_dir), str(tmp_path / "one"))
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = torchrun(str(RANKS), "eval", str(tiny_model_dir), str(tmp_path / "two"))
-    assert two.returncode == 0, two.stderr[-3000:]
+    one_and_two("eval", tiny_model_dir, tmp_path)
     alone = orjson.loads((tmp_path / "one" / "single.json").read_bytes())
     gathered = orjson.loads((tmp_path / "two" / "0.json").read_bytes())
     ran = orjson.loads((tmp_path / "two" / "1.json").read_bytes())
