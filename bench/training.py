@@ -30,9 +30,10 @@ Sections (``--section``, repeatable; default all):
 - ``ranks``: training beyond one process on this machine. SFT tokens per second of one process (all cores'
   threads) against two ranks under ``torchrun`` on the gloo backend (half the threads each), on the same global
   batch (``--batch`` x 2 rows of ``--seq-len`` tokens a step), with the all-reduce's share of a rank-0 step (its
-  wait for the slower rank included); and validation episodes per minute of one process against two that each run
-  half the ``--episodes`` at once (what spreading validation over the ranks would buy). ``--repeats`` interleaved
-  runs, medians.
+  wait for the slower rank included), and two ranks under FSDP (the weights split over them: what a rank holds
+  after its steps, its resident memory, against whole copies); and validation episodes per minute of one process
+  against two that each run half the ``--episodes`` at once (what spreading validation over the ranks would buy).
+  ``--repeats`` interleaved runs, medians.
 
 Not a test: it prints numbers. Figures depend on the machine and on what else it is doing.
 """
@@ -42,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -54,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 import structlog  # noqa: E402
 import torch  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 from bench import sections  # noqa: E402
 from gateway.backends.local.loading import LoadedModel, load_model, load_tokenizer  # noqa: E402
@@ -133,7 +136,8 @@ def section_sft(args: argparse.Namespace) -> None:
     # Without gradient checkpointing, as the bare loop: the same work (what checkpointing costs is ``memory``'s).
     config = SFTConfig.from_settings(rank=args.rank, alpha=2.0 * args.rank, batch_size=args.batch, grad_accum=1,
                                      epochs=1.0, checkpoints=1, log_every=1, learning_rate=1e-4,
-                                     max_seq_len=args.seq_len, gradient_checkpointing=False)
+                                     max_seq_len=args.seq_len, gradient_checkpointing=False,
+                                     fsdp="on" if args.fsdp else "off")
     best: dict[str, Figure] = {}
     for _ in range(args.repeats):
         for run in (bare_peft_loop, sft_loop):
@@ -250,16 +254,20 @@ def _ranks_sft_worker(args: argparse.Namespace) -> None:
     rows = bench_rows(args.batch, args.seq_len, len(load_tokenizer(args.model_path)))
     config = SFTConfig.from_settings(rank=args.rank, alpha=2.0 * args.rank, batch_size=args.batch,
                                      grad_accum=per_rank, epochs=1.0, checkpoints=1, log_every=1, learning_rate=1e-4,
-                                     max_seq_len=args.seq_len, gradient_checkpointing=False)
+                                     max_seq_len=args.seq_len, gradient_checkpointing=False,
+                                     fsdp="on" if args.fsdp else "off")
     steps = args.warmup + args.steps
     with tempfile.TemporaryDirectory() as out:
         result = train_sft(args.model_path, rows * 2 * steps, config, Path(out))
         lines = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    resident = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    held = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in result.model.parameters())
     distributed.finish(world)
     tokens = 2 * sum(len(r.input_ids) for r in rows)
     measured = sum(tokens / line["tokens_per_second"] for line in lines[args.warmup:])
     Path(args.worker_out).write_text(json.dumps({"tokens_per_second": tokens * args.steps / measured,
-                                                 "reduce_share": result.reduce_seconds / result.seconds}))
+                                                 "reduce_share": result.reduce_seconds / result.seconds,
+                                                 "resident_mb": resident / 2**20, "weights_mb": held / 2**20}))
 
 
 def _ranks_eval_worker(args: argparse.Namespace) -> None:
@@ -301,10 +309,10 @@ def section_ranks(args: argparse.Namespace) -> None:
     script += ["--model-path", args.model_path] if args.model_path else []
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
-    def sft(launcher: list[str], threads: int) -> dict[str, float]:
+    def sft(launcher: list[str], threads: int, *fsdp: str) -> dict[str, float]:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             subprocess.run([*launcher, *script, "--worker", "sft", "--worker-out", out.name, "--threads",
-                            str(threads)], check=True, capture_output=True)
+                            str(threads), *fsdp], check=True, capture_output=True)
             return json.loads(Path(out.name).read_text())
 
     def evaluation(parts: int, threads: int) -> float:
@@ -322,22 +330,28 @@ def section_ranks(args: argparse.Namespace) -> None:
         # Both halves run at once: the episodes over the slower one's time.
         return sum(f["episodes"] for f in figures) / max(f["seconds"] for f in figures) * 60
 
-    one, two, eval_one, eval_two = [], [], [], []
+    one, two, sharded, eval_one, eval_two = [], [], [], [], []
     for _ in range(args.repeats):
         one.append(sft([sys.executable], cores))
         two.append(sft(torchrun, max(1, cores // 2)))
+        sharded.append(sft(torchrun, max(1, cores // 2), "--fsdp"))
         eval_one.append(evaluation(1, cores))
         eval_two.append(evaluation(2, max(1, cores // 2)))
     model = "tiny random Llama" if args.tiny else (args.model_path or "embedded SmolLM2-135M")
-    speed = [statistics.median(f["tokens_per_second"] for f in runs) for runs in (one, two)]
+    speed = [statistics.median(f["tokens_per_second"] for f in runs) for runs in (one, two, sharded)]
+    resident = [statistics.median(f["resident_mb"] for f in runs) for runs in (one, two, sharded)]
+    held = [runs[0]["weights_mb"] for runs in (one, two, sharded)]
     reduce = statistics.median(f["reduce_share"] for f in two)
     print(f"\nranks: {model}, cpu, {cores} cores; SFT on {2 * args.batch} rows x {args.seq_len} tokens a step, LoRA "
           f"rank {args.rank}, {args.steps} steps after {args.warmup}; median of {args.repeats}, interleaved")
-    print(f"{'sft':<44}{'tokens/s':>10}{'all-reduce share':>18}")
-    print(f"{f'one process, {cores} threads':<44}{speed[0]:>10.1f}{'-':>18}")
+    print(f"{'sft':<44}{'tokens/s':>10}{'all-reduce share':>18}{'weights MB':>12}{'RSS MB':>8}")
+    print(f"{f'one process, {cores} threads':<44}{speed[0]:>10.1f}{'-':>18}{held[0]:>12.0f}{resident[0]:>8.0f}")
     print(f"{f'two ranks (torchrun, gloo), {max(1, cores // 2)} thread(s) each':<44}{speed[1]:>10.1f}"
-          f"{reduce:>17.1%}")
-    print(f"ratio two ranks / one process: {speed[1] / speed[0]:.2f}x")
+          f"{reduce:>17.1%}{held[1]:>12.0f}{resident[1]:>8.0f}")
+    print(f"{'two ranks, FSDP':<44}{speed[2]:>10.1f}{'-':>18}{held[2]:>12.0f}{resident[2]:>8.0f}")
+    print("weights MB: the model's weights rank 0 holds between passes; RSS MB: its resident memory after the steps")
+    print(f"ratio two ranks / one process: {speed[1] / speed[0]:.2f}x; FSDP / whole copies: {speed[2] / speed[1]:.2f}x "
+          "the tokens/s")
     rates = [statistics.median(runs) for runs in (eval_one, eval_two)]
     print(f"{'validation (' + str(args.episodes) + ' episodes)':<44}{'episodes/min':>14}")
     print(f"{f'one process, {cores} threads':<44}{rates[0]:>14.1f}")
@@ -378,6 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     worker.add_argument("--worker-out", help=argparse.SUPPRESS)
     worker.add_argument("--part", type=int, default=0, help=argparse.SUPPRESS)
     worker.add_argument("--of", type=int, default=1, help=argparse.SUPPRESS)
+    worker.add_argument("--fsdp", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))

@@ -60,8 +60,9 @@ def positions(examples: list[Example]) -> int:
     return prefix + len(examples) * (max(len(e.input_ids) for e in examples) - prefix)
 
 
-def pad_batch(examples: list[Example], pad_id: int) -> Batch:
-    """Right-padded, with the rows' shared prefix (``shared_prefix``) noted for ``label_logits``."""
+def pad_batch(examples: list[Example], pad_id: int, *, share_prefix: bool = True) -> Batch:
+    """Right-padded, with the rows' shared prefix (``shared_prefix``; none without ``share_prefix``) noted for
+    ``label_logits``."""
     width = max(len(e.input_ids) for e in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
@@ -71,7 +72,8 @@ def pad_batch(examples: list[Example], pad_id: int) -> Batch:
         ids[i, :n] = torch.tensor(e.input_ids)
         labels[i, :n] = torch.tensor(e.labels)
         mask[i, :n] = 1
-    return Batch(ids, mask, labels, tokens=sum(len(e.input_ids) for e in examples), prefix=shared_prefix(examples))
+    return Batch(ids, mask, labels, tokens=sum(len(e.input_ids) for e in examples),
+                 prefix=shared_prefix(examples) if share_prefix else 0)
 
 
 def label_logits(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

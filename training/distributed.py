@@ -7,11 +7,12 @@ registry, the store's row of the run, checkpoints, metrics and plots); each time
 its share of each step's micro-batches; their gradients are summed across the ranks (``World.sum_``: one
 all-reduce of a flat bucket, DDP's reduction without its overlap, which buys little for the few LoRA tensors)
 before the optimizer step, so all ranks hold the same weights after every step, and a step on W ranks is the step
-one process takes on the same global batch (W times the micro-batches). RL's rollouts and validations run on
-rank 0; their results (the step's groups, the validation metrics) reach the others with ``World.share``, so every
-rank judges rollbacks alike. Validation between training jobs (SFT's checkpoints, the correction and expert rounds,
-the gate) is itself handed out: each rank runs its share of the episodes on an engine of its own, and rank 0
-gathers them back in order (``training/evaluate.py``).
+one process takes on the same global batch (W times the micro-batches). Under FSDP (``training/sharding.py``) each
+rank holds its shards of the weights instead, and FSDP reduce-scatters the gradients itself. RL's rollouts and
+validations run on rank 0; their results (the step's groups, the validation metrics) reach the others with
+``World.share``, so every rank judges rollbacks alike. Validation between training jobs (SFT's checkpoints, the
+correction and expert rounds, the gate) is itself handed out: each rank runs its share of the episodes on an
+engine of its own, and rank 0 gathers them back in order (``training/evaluate.py``).
 
 A rank that stops (an error, a kill) breaks the others' next collective: they raise ``RankFailure`` and the run
 fails with nothing registered or published (torchrun also stops the remaining workers).
@@ -92,9 +93,12 @@ class World:
         return gathered
 
     def sync(self, params: Sequence[torch.Tensor], *, during: str = "a weight sync") -> None:
-        """Rank 0's values of ``params`` on every rank."""
-        for p in params:
-            _collective(lambda p=p: dist.broadcast(p.data, src=0), during)
+        """Rank 0's values of ``params`` on every rank (pickled: the ranks' copies may lie on the CPU under NCCL,
+        before FSDP moves them to the GPU a layer at a time)."""
+        values = self.share([p.detach().cpu() for p in params] if self.leads else None, during=during)
+        with torch.no_grad():
+            for p, value in zip(params, values, strict=True):
+                p.copy_(value)
 
 
 def _collective(call: Callable[[], Any], during: str) -> None:

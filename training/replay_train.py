@@ -68,12 +68,12 @@ from training.groups import Group, similar_batches
 from training.metrics import rank
 from training.on_gateway import GatewayEvaluator, error_message
 from training.references import ReferenceCache
-from training.rl import RLConfig, train_rl
+from training.rl import RLConfig, RLResult, train_rl
 from training.rollouts import Rollouts, groups_from_store
 from training.rounds import train_apart
 from training.run_record import RunRecord
 from training.settings import CorrectionSettings, HarnessSettings
-from training.sft import SFTConfig, load_base
+from training.sft import SFTConfig, SFTResult, load_base
 from training.stages import Stages
 from training.tasks import Suite, Task, get_suite, leak_filter
 from training.teacher import ServedTeacher, SolverTeacher, Teacher
@@ -276,7 +276,7 @@ async def _sft(settings: HarnessSettings, filters: Filters, suite: Suite, gate_t
     general.release()  # its copy of the base comes back when the gate next asks
     result = await train_apart(evaluator, training.model_path, rows, SFTConfig.from_settings(training), out)
     stage("sft", f"{len(result.checkpoints)} checkpoints, {result.tokens:,} tokens in {result.seconds:.0f} s "
-                   f"({result.tokens_per_second:,.0f} tokens/s)", tokens=result.tokens)
+                   f"({result.tokens_per_second:,.0f} tokens/s){on_ranks(result)}", tokens=result.tokens)
     if len(result.checkpoints) == 1 and not training.expert.rounds and not training.correction.rounds:
         record.sft(result.losses, [])
         stage("validate", f"skipped: one checkpoint ({result.checkpoints[0].name}) and no correction or expert "
@@ -340,7 +340,8 @@ async def _rl(settings: HarnessSettings, selected: list[str], start: Path | None
     stage("rl", f"{len(result.history)} steps ({len(batches)} on captured groups), {result.groups} groups "
                 f"({result.flat_groups} without reward spread), {rollouts.episodes} rollouts in "
                 f"{rollouts.seconds:.0f} s, "
-                f"{result.tokens:,} tokens in {result.seconds:.0f} s ({result.tokens_per_second:,.0f} tokens/s), "
+                f"{result.tokens:,} tokens in {result.seconds:.0f} s ({result.tokens_per_second:,.0f} tokens/s"
+                f"{on_ranks(result)}), "
                 f"{result.rollbacks} rollbacks" + (f", stopped: {result.stopped}" if result.stopped else "")
                 + f" → {result.best.name}",
           tokens=result.tokens, episodes=rollouts.episodes)
@@ -377,3 +378,10 @@ def _publish(server: ServerSettings, url: str, name: str, base: str, folder: Pat
 def _check(response: httpx.Response) -> None:
     if response.status_code >= 400:
         raise ReplayTrainError(f"the gateway answered {response.status_code}: {error_message(response)}")
+
+
+def on_ranks(result: SFTResult | RLResult) -> str:
+    """Where a training job ran, when not in this one process: `` on 2 ranks`` (``, FSDP``)."""
+    if result.ranks == 1:
+        return ""
+    return f" on {result.ranks} ranks" + (", FSDP" if result.sharded else "")

@@ -31,7 +31,9 @@ validation valid-call rate or success fell by more than ``alarm_drop``. The resu
 The embedded backend captures both log-probabilities of each token: under the distribution it was drawn from
 (temperature, top-p and any grammar mask; used for ρ, where only the temperature is reproduced: rollouts use top-p
 1) and under the model at temperature 1 (used for perplexity-like checks). CUDA runs with bf16 autocast over float32
-weights; CPU in float32.
+weights; CPU in float32. On several ranks each takes its share of each update's micro-batches, as SFT does, with
+the base model's weights split over them under ``[training] fsdp`` (``training/sharding.py``; a frozen reference
+copy too); rank 0 alone rolls out, validates and writes.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from tqdm import tqdm
 
 from gateway.backends.local.adapters import read_rendering, write_rendering
 from gateway.prompting import Rendering
-from training import distributed
+from training import distributed, sharding
 from training.groups import Group, Sample, assign_advantages
 from training.metrics import rank
 from training.plots import plot_rl
@@ -184,39 +186,47 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs
                      ratio=float((ratio.detach() * mask).sum()), clipped=int(((clipped < unclipped) * mask).sum()))
 
 
-def update(model: PeftModel, samples: Sequence[Sample], optimizer: torch.optim.Optimizer, *, pad_id: int,
+def update(policy: sharding.Through, samples: Sequence[Sample], optimizer: torch.optim.Optimizer, *, pad_id: int,
            batch_size: int, clip: float, kl_coef: float, max_grad_norm: float = 1.0,
-           reference: torch.nn.Module | None = None) -> dict[str, float]:
-    """One optimizer step on ``samples``: the mean loss over all their completion tokens. ``reference``: the KL
-    reference (``reference_logprobs``)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+           reference: sharding.Through | None = None) -> dict[str, float]:
+    """One optimizer step of the LoRA model behind ``policy`` on ``samples``: the mean loss over all their
+    completion tokens. ``reference``: the KL reference (``reference_logprobs``)."""
+    params = [p for p in policy.parameters() if p.requires_grad]
     device = params[0].device
     world = distributed.current()
+    sharded = sharding.is_sharded(policy)
     total = sum(len(s.completion_ids) for s in samples)
     # Micro-batches of similar length: little padding; on several ranks, every size-th one is this rank's.
     ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
     micro_batches = [ordered[start:start + batch_size] for start in range(0, len(ordered), batch_size)]
+    mine = world.mine(micro_batches) if world else micro_batches
+    # Under FSDP every rank runs as many passes as the rank with the most (sharding.evened).
+    runs = sharding.evened(mine, -(-len(micro_batches) // world.size) if sharded else len(mine), micro_batches[0])
     sums = {"loss": 0.0, "kl": 0.0, "ratio": 0.0, "clipped": 0.0}
     started = time.perf_counter()
     seen = 0
-    for micro_batch in world.mine(micro_batches) if world else micro_batches:
+    for i, (micro_batch, counted) in enumerate(runs):
+        sharding.syncing(policy, last=i == len(runs) - 1)
         batch = collate(micro_batch, pad_id).to(device)
-        seen += int(batch.attention_mask.sum())
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logprobs, own = policy_logprobs(model, batch)
+            logprobs, own = policy(policy_logprobs, batch)
             # Without a KL term the reference pass (a third of the step's work) would be thrown away.
-            ref_logprobs = reference_logprobs(model, batch, reference) if kl_coef else own.detach()
+            ref_logprobs = (reference(token_logprobs, batch) if reference is not None
+                            else policy(reference_logprobs, batch)) if kl_coef else own.detach()
         parts = policy_loss(logprobs, batch.old_logprobs, ref_logprobs, batch.advantages, batch.mask, clip=clip,
                             kl_coef=kl_coef, model_logprobs=own)
-        (parts.loss / total).backward()
-        sums["loss"] += float(parts.loss.detach()) / total
-        sums["kl"] += parts.kl
-        sums["ratio"] += parts.ratio
-        sums["clipped"] += parts.clipped
+        (parts.loss * (1.0 / total if counted else 0.0)).backward()
+        if counted:
+            seen += int(batch.attention_mask.sum())
+            sums["loss"] += float(parts.loss.detach()) / total
+            sums["kl"] += parts.kl
+            sums["ratio"] += parts.ratio
+            sums["clipped"] += parts.clipped
         del logprobs, own, ref_logprobs, parts
     if world is not None:
         figures = torch.tensor([sums["loss"], sums["kl"], sums["ratio"], sums["clipped"], seen], dtype=torch.float64)
-        world.sum_grads(params, figures, during="an RL update")
+        # FSDP reduced the gradients in the last backward; the figures are summed either way.
+        world.sum_grads([] if sharded else params, figures, during="an RL update")
         sums = dict(zip(("loss", "kl", "ratio", "clipped"), figures.tolist(), strict=False))
         seen = int(figures[4])
     torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
@@ -273,6 +283,8 @@ class RLResult:
     tokens: int = 0
     seconds: float = 0.0  # the updates alone
     tokens_per_second: float = 0.0
+    ranks: int = 1  # processes that trained
+    sharded: bool = False  # under FSDP (sharding.py)
     model: PeftModel | None = field(default=None, repr=False)
 
 
@@ -292,21 +304,24 @@ def train_rl(loaded: LoadedModel, config: RLConfig, out_dir: Path, *, steps: int
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     device = distributed.device()
     # Copied before the policy's adapter is put into the base's modules.
-    reference = start_reference(loaded.model, init_adapter).to(device) if init_adapter and config.rl.kl_coef \
-        else None
-    model = lora_policy(loaded.model, config.lora, init_adapter).to(device)
-    train_mode(model, config.lora)
+    frozen = start_reference(loaded.model, init_adapter) if init_adapter and config.rl.kl_coef else None
+    model = lora_policy(loaded.model, config.lora, init_adapter)
+    if world is not None:
+        world.sync([p for p in model.parameters() if p.requires_grad], during="sharing the adapter's first weights")
+    sharded = sharding.wanted(config.lora.fsdp, model, device, world)
+    policy = sharding.wrap(model, device, world, sharded)
+    reference = sharding.wrap(frozen, device, world, sharded) if frozen is not None else None
+    train_mode(model, config.lora, sharded)
     # Rollouts serve each checkpoint with the rendering its folder records: the one the policy started from.
     rendering = (read_rendering(init_adapter) if init_adapter else None) or config.lora.rendering
-    params = [p for p in model.parameters() if p.requires_grad]
-    if world is not None:
-        world.sync(params, during="sharing the adapter's first weights")
+    params = [p for p in model.parameters() if p.requires_grad]  # under FSDP, this rank's shards
 
     def new_optimizer() -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=config.rl.learning_rate, weight_decay=0.0)
 
     def save(folder: Path) -> Path:
-        return _save(model, folder, rendering) if leads else folder
+        state = sharding.full_state(model) if sharded else None  # a collective: every rank
+        return _save(model, folder, rendering, state) if leads else folder
 
     def validated(folder: Path) -> dict[str, Any]:
         return world.share(validate(folder) if leads else None, during="validation") if world else validate(folder)
@@ -315,19 +330,23 @@ def train_rl(loaded: LoadedModel, config: RLConfig, out_dir: Path, *, steps: int
     metrics_path = out_dir / "metrics.jsonl"
     if leads:
         metrics_path.unlink(missing_ok=True)
-    log.info("rl.start", steps=steps, algorithm=config.rl.algorithm, device=device.type, out_dir=str(out_dir),
+    log.info("rl.start", steps=steps, algorithm=config.rl.algorithm, device=device.type, fsdp=sharded,
+             out_dir=str(out_dir),
              init_adapter=str(init_adapter) if init_adapter else None)
 
     watch = _Watch(config)
     first = save(out_dir / "checkpoint-0")
-    result = RLResult(best=first, best_step=0, checkpoints=[first], history=[], validations=[], model=model)
+    result = RLResult(best=first, best_step=0, checkpoints=[first], history=[], validations=[], model=model,
+                      ranks=world.size if world else 1, sharded=sharded)
     watch.judge(0, first, validated(first), result)
+    best_weights = sharding.snapshot(params)  # what a rollback restores, on every rank
     if leads:
         append_jsonl(metrics_path, {"step": 0, "validation": result.validations[-1]})
 
     bar = tqdm(total=steps, desc="rl", unit="step", disable=not (leads and sys.stderr.isatty()))
     for step in range(1, steps + 1):
-        groups = batches(step, save(out_dir / "policy")) if leads else None
+        current = save(out_dir / "policy")  # every rank: under FSDP, saving gathers the weights
+        groups = batches(step, current) if leads else None
         if world is not None:
             groups = world.share(groups, during=f"handing out RL step {step}'s groups")
         samples, skipped = _fitting([s for g in groups for s in g.samples()], config.max_seq_len)
@@ -341,7 +360,7 @@ def train_rl(loaded: LoadedModel, config: RLConfig, out_dir: Path, *, steps: int
         result.flat_groups += line["flat_groups"]
         if samples:
             for _ in range(config.rl.updates_per_batch):
-                stats = update(model, samples, optimizer, pad_id=pad_id, batch_size=config.rl.batch_size,
+                stats = update(policy, samples, optimizer, pad_id=pad_id, batch_size=config.rl.batch_size,
                                clip=config.rl.clip, kl_coef=config.rl.kl_coef, max_grad_norm=config.max_grad_norm,
                                reference=reference)
                 result.tokens += int(stats["tokens"])
@@ -353,11 +372,10 @@ def train_rl(loaded: LoadedModel, config: RLConfig, out_dir: Path, *, steps: int
             result.checkpoints.append(checkpoint)
             action = watch.judge(step, checkpoint, validated(checkpoint), result)
             line["validation"] = result.validations[-1]
-            if action == "rollback":
-                if leads:
-                    _restore(model, result.best)
-                if world is not None:
-                    world.sync(params, during=f"sharing the weights rolled back to at RL step {step}")
+            if action == "best":
+                best_weights = sharding.snapshot(params)
+            elif action == "rollback":
+                sharding.restore(params, best_weights)
                 optimizer = new_optimizer()
         result.history.append(line)
         if leads:
@@ -447,14 +465,8 @@ def _fitting(samples: list[Sample], max_seq_len: int) -> tuple[list[Sample], int
     return kept, len(samples) - len(kept)
 
 
-def _save(model: PeftModel, folder: Path, rendering: Rendering) -> Path:
-    model.save_pretrained(str(folder), save_embedding_layers=False)
+def _save(model: PeftModel, folder: Path, rendering: Rendering, state: dict[str, torch.Tensor] | None) -> Path:
+    """The adapter (``state``: its weights gathered whole, under FSDP) and its rendering into ``folder``."""
+    model.save_pretrained(str(folder), save_embedding_layers=False, state_dict=state)
     write_rendering(folder, rendering)
     return folder
-
-
-def _restore(model: PeftModel, folder: Path) -> None:
-    from peft import load_peft_weights, set_peft_model_state_dict
-
-    device = next(p.device for p in model.parameters() if p.requires_grad)
-    set_peft_model_state_dict(model, load_peft_weights(str(folder), device=str(device)))

@@ -17,6 +17,8 @@ from gateway.config import DEFAULT_MODEL_NAME, Settings
 from gateway.prompting import Rendering
 from tools.settings import Section
 
+Sharding = Literal["auto", "on", "off"]  # [training] fsdp
+
 
 class GateSettings(Section):
     """Whether a candidate replaces the reference (the active adapter, else the base): both are evaluated on the
@@ -177,6 +179,12 @@ class TrainingSettings(Section):
                                         "others in one hand-over or all-reduce; at least the longest stage rank 0 "
                                         "runs alone (recorded episodes: RL's rollouts, correction rounds) while "
                                         "the others wait.")
+    fsdp: Sharding = Field("auto", description="Under torchrun: split the base model's weights, "
+                                                "the adapter's and its optimizer state over the ranks (FSDP: each "
+                                                "decoder layer gathered for its forward and backward) instead of "
+                                                "each rank holding them whole. auto: when the weights take over a "
+                                                "quarter of one rank's memory (its GPU's; on the CPU the machine's "
+                                                "over the ranks).")
     micro_batch_positions: int = Field(768, ge=0, description="Most positions the decoder runs for one micro-batch "
                                        "(its rows' shared prompt once, the rest once a row, padding included): a "
                                        "wider one trains a row at a time, with the same gradient, which bounds the "

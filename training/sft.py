@@ -29,7 +29,9 @@ activations per token a batch of long rows keeps otherwise. Every knob's default
 On several ranks (``training/distributed.py``, under torchrun) each step takes ``grad_accum`` micro-batches on each
 rank from one plan all ranks draw alike, every ``size``-th from the rank's own; the gradients and the step's loss
 are summed over the ranks before clipping, so every rank takes the step one process takes with ``grad_accum`` times
-the ranks, and rank 0 alone writes checkpoints, ``metrics.jsonl`` and the plot.
+the ranks, and rank 0 alone writes checkpoints, ``metrics.jsonl`` and the plot. With ``fsdp`` (``[training] fsdp``;
+``auto``: a model whose weights take over a quarter of a rank's memory) the base model's weights are split over the
+ranks as well (``training/sharding.py``).
 """
 
 from __future__ import annotations
@@ -54,11 +56,11 @@ from gateway.backends.local.heap import keep_allocations_in_heap, map_large_allo
 from gateway.backends.local.kv import ATTENTION
 from gateway.backends.local.loading import LoadedModel, load_model
 from gateway.prompting import Rendering
-from training import distributed
+from training import distributed, sharding
 from training.batches import Batch, base_of, label_logits, pad_batch, positions
 from training.data import IGNORE, Example
 from training.plots import plot_loss
-from training.settings import TrainingSettings
+from training.settings import Sharding, TrainingSettings
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -86,6 +88,7 @@ class SFTConfig:
     micro_batch_positions: int  # a micro-batch the decoder would run more positions for trains a row at a time (0: any)
     gradient_checkpointing: bool  # keep only each layer's input for the backward pass; recompute the rest
     map_large_allocations: bool  # heap.py: less memory held, more page faults
+    fsdp: Sharding  # on several ranks: split the base model's weights over them (sharding.py)
     max_seq_len: int
     checkpoints: int
     seed: int
@@ -106,7 +109,8 @@ class SFTConfig:
                       learning_rate=training.learning_rate, epochs=training.epochs, batch_size=training.batch_size,
                       grad_accum=training.grad_accum, micro_batch_positions=training.micro_batch_positions,
                       gradient_checkpointing=training.gradient_checkpointing,
-                      map_large_allocations=training.map_large_allocations, max_seq_len=training.max_seq_len,
+                      map_large_allocations=training.map_large_allocations, fsdp=training.fsdp,
+                      max_seq_len=training.max_seq_len,
                       checkpoints=training.checkpoints, seed=training.seed, rendering=training.tool_rendering)
         return cls(**{**fields, **overrides})
 
@@ -120,6 +124,8 @@ class SFTResult:
     tokens_per_second: float
     metrics: list[dict[str, Any]] = field(default_factory=list)  # what metrics.jsonl holds
     reduce_seconds: float = 0.0  # of ``seconds``, summing gradients across ranks (0 on one process)
+    ranks: int = 1  # processes that trained
+    sharded: bool = False  # under FSDP (sharding.py)
     model: PeftModel | None = field(default=None, repr=False)  # the trained model, adapter active
 
 
@@ -162,6 +168,11 @@ def within(examples: list[Example], most: int) -> list[list[Example]]:
     if not most or len(examples) == 1 or positions(examples) <= most:
         return [examples]
     return [[e] for e in examples]
+
+
+def _parts(batches: list[tuple[float, list[Example]]], most: int) -> list[list[Example]]:
+    """The micro-batches ``batches`` train as (``within``)."""
+    return [part for _, examples in batches for part in within(examples, most)]
 
 
 def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
@@ -215,14 +226,16 @@ def lora_policy(model: torch.nn.Module, config: SFTConfig, init_adapter: Path | 
     return peft_model
 
 
-def train_mode(model: torch.nn.Module, config: SFTConfig) -> None:
+def train_mode(model: torch.nn.Module, config: SFTConfig, sharded: bool = False) -> None:
     """Training mode; with ``gradient_checkpointing`` each decoder layer keeps only its input for the backward pass
     (the activations of a batch of long rows are most of the memory training takes)."""
     # Activations come and go in blocks of a few MiB: mapped, they go back to the system when freed, where in the
     # heap they stay (measured: 4 rows of 512 tokens peaked at 4.6 GB so, 7.7 GB in the heap), for a third more time
     # per step on CPU, most of it page faults. Set either way: an evaluation's engine earlier in the same process
-    # maps them (heap.py).
-    if config.map_large_allocations:
+    # maps them (heap.py). Under FSDP they are always mapped: the layers' gathered weights (tens of MB, every pass)
+    # fragment the heap (measured on the embedded model, a row a pass: rank 0's RSS climbed from 1.6 to 2.9 GB over
+    # 8 passes in the heap, steady at 1.4 GB mapped, against 1.6 GB mapped for a whole copy).
+    if config.map_large_allocations or sharded:
         map_large_allocations()
     else:
         keep_allocations_in_heap()
@@ -259,27 +272,30 @@ def train_sft(base_model_path: str | None, examples: list[Example], config: SFTC
     tokenizer = loaded.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     device = distributed.device()
-    model = lora_policy(loaded.model, config, init_adapter).to(device)
-    train_mode(model, config)
+    model = lora_policy(loaded.model, config, init_adapter)
+    if world is not None:
+        world.sync([p for p in model.parameters() if p.requires_grad], during="sharing the adapter's first weights")
+    sharded = sharding.wanted(config.fsdp, model, device, world)
+    through = sharding.wrap(model, device, world, sharded)
+    train_mode(model, config, sharded)
 
     plan = plan_batches(examples, config.batch_size, config.epochs, config.seed, config.bucket_batches)
     # A step takes grad_accum micro-batches on each rank: the global batch grows with the ranks.
     per_step = config.grad_accum * (world.size if world else 1)
     steps = math.ceil(len(plan) / per_step)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if world is not None:
-        world.sync(params, during="sharing the adapter's first weights")
+    params = [p for p in model.parameters() if p.requires_grad]  # under FSDP, this rank's shards
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
     warmup = max(1, round(config.warmup_ratio * steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(warmup, steps))
     saves = set(checkpoint_steps(steps, config.checkpoints))
     log.info("sft.start", examples=len(examples), micro_batches=len(plan), steps=steps, device=device.type,
-             trainable=sum(p.numel() for p in params), checkpoints=sorted(saves), out_dir=str(out_dir))
+             fsdp=sharded, trainable=sum(p.numel() for p in params), checkpoints=sorted(saves), out_dir=str(out_dir))
 
     metrics_path = out_dir / "metrics.jsonl"
     if leads:
         metrics_path.unlink(missing_ok=True)
-    result = SFTResult(checkpoints=[], losses=[], tokens=0, seconds=0.0, tokens_per_second=0.0, model=model)
+    result = SFTResult(checkpoints=[], losses=[], tokens=0, seconds=0.0, tokens_per_second=0.0, model=model,
+                       ranks=world.size if world else 1, sharded=sharded)
     window_tokens, window_seconds, window_losses = 0, 0.0, []
     bar = tqdm(total=steps, desc="sft", unit="step", disable=not (leads and sys.stderr.isatty()))
     for step in range(1, steps + 1):
@@ -288,22 +304,28 @@ def train_sft(base_model_path: str | None, examples: list[Example], config: SFTC
         epoch = group[-1][0]
         step_labels = sum(label_tokens(e) for _, batch in group for e in batch)
         step_loss, step_tokens = 0.0, 0
-        parts = [part for _, examples_in_batch in (world.mine(group) if world else group)
-                 for part in within(examples_in_batch, config.micro_batch_positions)]
-        for part in parts:
-            batch = pad_batch(part, pad_id).to(device)
+        parts = _parts(world.mine(group) if world else group, config.micro_batch_positions)
+        # Under FSDP every rank runs as many passes as the rank with the most (sharding.evened).
+        most = max(len(_parts(group[r::world.size], config.micro_batch_positions)) for r in range(world.size)) \
+            if sharded else len(parts)
+        runs = sharding.evened(parts, most, filler=group[0][1][:1])
+        for i, (part, counted) in enumerate(runs):
+            sharding.syncing(through, last=i == len(runs) - 1)
+            batch = pad_batch(part, pad_id, share_prefix=not sharded).to(device)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                loss = label_loss(model, batch)
+                loss = through(label_loss, batch)
             # Weighted by the micro-batch's share of the step's label tokens: the step's loss is their mean.
-            share = sum(label_tokens(e) for e in part) / step_labels
+            share = sum(label_tokens(e) for e in part) / step_labels if counted else 0.0
             (loss * share).backward()
-            step_loss += loss.item() * share
-            step_tokens += batch.tokens
+            if counted:
+                step_loss += loss.item() * share
+                step_tokens += batch.tokens
             del loss  # else the last batch's graph lives on through the next forward
         if world is not None:
             figures = torch.tensor([step_loss, step_tokens], dtype=torch.float64)
             reducing = time.perf_counter()
-            world.sum_grads(params, figures, during=f"SFT step {step}")
+            # FSDP reduced the gradients in the last backward; the figures are summed either way.
+            world.sum_grads([] if sharded else params, figures, during=f"SFT step {step}")
             result.reduce_seconds += time.perf_counter() - reducing
             step_loss, step_tokens = float(figures[0]), int(figures[1])
         torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
@@ -320,12 +342,13 @@ def train_sft(base_model_path: str | None, examples: list[Example], config: SFTC
         window_losses.append(step_loss)
         bar.update(1)
         bar.set_postfix(loss=f"{step_loss:.4f}")
+        state = sharding.full_state(model) if sharded and step in saves else None  # a collective: every rank
         if leads and (step % config.log_every == 0 or step in saves):
             line = {"step": step, "epoch": round(epoch, 4), "loss": sum(window_losses) / len(window_losses),
                     "lr": lr, "tokens_per_second": window_tokens / window_seconds if window_seconds else 0.0}
             window_tokens, window_seconds, window_losses = 0, 0.0, []
             if step in saves:
-                line.update(_checkpoint(model, out_dir, step, validate, result, config.rendering))
+                line.update(_checkpoint(model, out_dir, step, validate, result, config.rendering, state))
             append_jsonl(metrics_path, line)
             result.metrics.append(line)
             log.info("sft.progress", **{k: v for k, v in line.items() if not isinstance(v, dict)})
@@ -343,15 +366,15 @@ def train_sft(base_model_path: str | None, examples: list[Example], config: SFTC
 
 
 def _checkpoint(model: PeftModel, out_dir: Path, step: int, validate: Validate | None,
-                result: SFTResult, rendering: Rendering) -> dict[str, Any]:
-    """Save the adapter as ``checkpoint-<step>/`` (with the tool rendering its rows were written in) and validate
-    it; what to record about it."""
+                result: SFTResult, rendering: Rendering, state: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+    """Save the adapter (``state``: its weights gathered whole, under FSDP) as ``checkpoint-<step>/`` (with the tool
+    rendering its rows were written in) and validate it; what to record about it."""
     folder = out_dir / f"checkpoint-{step}"
     # peft's "auto" looks the base name up on the Hub to see whether the vocabulary changed; it never does here
     # unless the embeddings themselves are adapted (then "auto" saves them without a look-up).
     targets = model.peft_config["default"].target_modules or ()
     embeddings = any(name in ("embed_tokens", "lm_head") for name in targets)
-    model.save_pretrained(str(folder), save_embedding_layers="auto" if embeddings else False)
+    model.save_pretrained(str(folder), save_embedding_layers="auto" if embeddings else False, state_dict=state)
     write_rendering(folder, rendering)
     result.checkpoints.append(folder)
     record: dict[str, Any] = {"checkpoint": str(folder)}

@@ -1,7 +1,8 @@
 """A training job on one rank, for the distributed tests: run under torchrun (each rank writes what it ended with)
 or as one process (the same job on the same global batch, for comparison).
 
-    python tests/training/ranks.py sft|rl|eval MODEL_DIR OUT_DIR --grad-accum N
+    python tests/training/ranks.py sft|rl|eval MODEL_DIR OUT_DIR [--grad-accum N] [--rows N] [--steps N] [--fsdp]
+        [--rollback] [--init ADAPTER]
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import orjson  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 from gateway.backends.local.loading import load_model  # noqa: E402
 from training import distributed  # noqa: E402
@@ -36,12 +38,12 @@ def conversations(n: int) -> list[list[dict[str, Any]]]:
             for i in range(n)]
 
 
-def sft(model_dir: Path, out: Path, grad_accum: int) -> Any:
+def sft(model_dir: Path, out: Path, grad_accum: int, rows: int, fsdp: str) -> Any:
     loaded = load_model(str(model_dir))
-    rows = general_examples(loaded.tokenizer, conversations(24), max_seq_len=128)
+    examples = general_examples(loaded.tokenizer, conversations(rows), max_seq_len=128)
     config = SFTConfig.from_settings(**LORA, learning_rate=5e-3, epochs=1.0, batch_size=2, grad_accum=grad_accum,
-                                     checkpoints=1, log_every=1, micro_batch_positions=0)
-    return train_sft(str(model_dir), rows, config, out / "sft", loaded=loaded)
+                                     checkpoints=2, log_every=1, micro_batch_positions=0, fsdp=fsdp)
+    return train_sft(str(model_dir), examples, config, out / "sft", loaded=loaded)
 
 
 def groups(tokenizer: Any, step: int) -> list[Group]:
@@ -59,13 +61,16 @@ def groups(tokenizer: Any, step: int) -> list[Group]:
     return made
 
 
-def rl(model_dir: Path, out: Path, steps: int) -> Any:
+def rl(model_dir: Path, out: Path, steps: int, fsdp: str, rollback: bool, init: Path | None) -> Any:
+    """``steps`` RL steps; with ``rollback`` validated after each, the first after the start failing (a rollback)."""
     loaded = load_model(str(model_dir))
-    training = TrainingSettings.model_validate({"rl": {"batch_size": 2, "learning_rate": 1e-3, "eval_every": steps,
-                                                       "kl_coef": 0.05}})
-    config = RLConfig.from_settings(training, lora=SFTConfig.from_settings(training, **LORA))
+    training = TrainingSettings.model_validate({"rl": {"batch_size": 2, "learning_rate": 1e-3, "kl_coef": 0.05,
+                                                       "eval_every": 1 if rollback else steps}})
+    config = RLConfig.from_settings(training, lora=SFTConfig.from_settings(training, **LORA, fsdp=fsdp))
+    validations = iter([0.5, 0.0] if rollback else [])
     return train_rl(loaded, config, out / "rl", steps=steps, batches=lambda step, _: groups(loaded.tokenizer, step),
-                    validate=lambda _: {"success_rate": 0.5, "valid_call_rate": 1.0})
+                    validate=lambda _: {"success_rate": next(validations, 0.5), "valid_call_rate": 1.0},
+                    init_adapter=init)
 
 
 def evaluate(model_dir: Path, out: Path) -> list[Any]:
@@ -93,6 +98,10 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=24)
+    parser.add_argument("--fsdp", action="store_const", const="on", default="off")
+    parser.add_argument("--rollback", action="store_true")
+    parser.add_argument("--init", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
     world = distributed.join(600)
@@ -108,15 +117,18 @@ def main() -> None:
     if world is not None and not world.leads:
         (result,) = distributed.follow(world)
     elif args.job == "sft":
-        result = sft(args.model_dir, args.out, args.grad_accum)
+        result = sft(args.model_dir, args.out, args.grad_accum, args.rows, args.fsdp)
     else:
-        result = rl(args.model_dir, args.out, args.steps)
+        result = rl(args.model_dir, args.out, args.steps, args.fsdp, args.rollback, args.init)
     distributed.finish(world)
     rank = world.rank if world else "single"
-    weights = {n: p.detach().contiguous() for n, p in result.model.named_parameters() if p.requires_grad}
-    save_file(weights, str(args.out / f"{rank}.safetensors"))
+    # Under FSDP a rank holds its shards of the weights only: the checkpoints rank 0 wrote are the whole.
+    trained = {n: p for n, p in result.model.named_parameters() if p.requires_grad}
+    sharded = any(isinstance(p, DTensor) for p in trained.values())
+    if not sharded:
+        save_file({n: p.detach().contiguous() for n, p in trained.items()}, str(args.out / f"{rank}.safetensors"))
     losses = result.losses if args.job == "sft" else [line["loss"] for line in result.history]
-    (args.out / f"{rank}.json").write_bytes(orjson.dumps({"losses": losses, "pid": os.getpid()}))
+    (args.out / f"{rank}.json").write_bytes(orjson.dumps({"losses": losses, "pid": os.getpid(), "sharded": sharded}))
 
 
 if __name__ == "__main__":

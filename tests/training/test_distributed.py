@@ -1,5 +1,6 @@
-"""Training on two ranks of this CPU (torchrun, gloo): the steps one process takes on the same global batch, rank 0
-alone writing, and a rank that stops failing the whole run with nothing registered."""
+"""Training on two ranks of this CPU (torchrun, gloo): the steps one process takes on the same global batch, each rank
+holding the whole model or (FSDP) its shards of it, rank 0 alone writing, and a rank that stops failing the whole run
+with nothing registered."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -25,6 +27,7 @@ from typer.testing import CliRunner
 
 from harness.main import app
 from replay.adapters import AdapterRegistry
+from tests.models import random_lora
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -33,6 +36,10 @@ RANKS = ROOT / "tests" / "training" / "ranks.py"
 # Float sums in another order (each rank's share first, then across ranks): the same to rounding.
 LOSS_RTOL = 1e-6
 WEIGHT_ATOL = 1e-6
+# Under FSDP a batch's shared prompt runs once a row (not once a batch) and the gradients reach AdamW through a
+# reduce-scatter: rounding apart, which Adam's normalisation lifts where a gradient is near 0 (seen: 2.6e-6 on one
+# weight of ~0.14 after 6 steps at learning rate 5e-3).
+FSDP_WEIGHT_ATOL = 1e-5
 
 
 def torchrun(*args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -41,16 +48,23 @@ def torchrun(*args: str, env: dict[str, str] | None = None, timeout: float = 240
                           env={**os.environ, **(env or {})})
 
 
+def accelerate(*args: str) -> subprocess.CompletedProcess:
+    """``accelerate launch`` on two CPU processes (it starts them through torchrun's launcher)."""
+    return subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                           "--main_process_port", "0", *args], capture_output=True, text=True, timeout=240, cwd=ROOT)
+
+
 def single(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(RANKS), *args], capture_output=True, text=True, timeout=240, cwd=ROOT)
 
 
 def one_and_two(job: str, model_dir: Path, tmp_path: Path, one: tuple[str, ...] = (),
-                two: tuple[str, ...] = ()) -> None:
+                two: tuple[str, ...] = (), launch: Callable[..., subprocess.CompletedProcess] = torchrun) -> None:
     """``job`` of ranks.py as one process into ``tmp_path/one``, then on two ranks into ``tmp_path/two``."""
     alone = single(job, str(model_dir), str(tmp_path / "one"), *one)
     assert alone.returncode == 0, alone.stderr[-3000:]
-    ranked = torchrun(str(RANKS), job, str(model_dir), str(tmp_path / "two"), *two)
+    ranked = launch(str(RANKS), job, str(model_dir), str(tmp_path / "two"), *two)
     assert ranked.returncode == 0, ranked.stderr[-3000:]
 
 
@@ -83,7 +97,41 @@ def test_sft_on_two_ranks_takes_the_steps_of_one_process_on_the_same_global_batc
     written = tmp_path / "two" / "sft"
     lines = [json.loads(line) for line in (written / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
-    assert sorted(p.name for p in written.iterdir()) == ["checkpoint-6", "loss.png", "metrics.jsonl"]
+    assert sorted(p.name for p in written.iterdir()) == ["checkpoint-3", "checkpoint-6", "loss.png", "metrics.jsonl"]
+
+
+def sharded_run(one: Path, two: Path, job: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Assert that ``two`` ran sharded and took ``one``'s steps: its losses on every rank, the checkpoints rank 0
+    gathered and wrote; those checkpoints by name."""
+    alone = orjson.loads((one / "single.json").read_bytes())
+    assert not alone["sharded"]
+    for rank in ("0", "1"):
+        ranked = orjson.loads((two / f"{rank}.json").read_bytes())
+        assert ranked["sharded"]  # each rank held shards of the weights, not the whole
+        assert ranked["losses"] == pytest.approx(alone["losses"], rel=LOSS_RTOL)
+    names = sorted(p.name for p in (one / job).glob("checkpoint-*"))
+    assert names and names == sorted(p.name for p in (two / job).glob("checkpoint-*"))
+    checkpoints = {}
+    for name in names:
+        expected = load_file(str(one / job / name / "adapter_model.safetensors"))
+        written = load_file(str(two / job / name / "adapter_model.safetensors"))
+        assert written.keys() == expected.keys()
+        for key, tensor in expected.items():
+            assert torch.allclose(written[key], tensor, rtol=0, atol=FSDP_WEIGHT_ATOL), (name, key)
+        checkpoints[name] = written
+    return checkpoints
+
+
+def test_sft_under_fsdp_takes_the_steps_of_one_process_and_rank_0_writes_the_gathered_adapter(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    # 22 rows, 2 a micro-batch: 11 micro-batches, 2 a step; in the last step rank 1 has none of its own and runs
+    # rank 0's at weight 0, as FSDP needs every rank in every layer's gathers. Launched by accelerate.
+    one_and_two("sft", tiny_model_dir, tmp_path, ("--grad-accum", "2", "--rows", "22", "--fsdp"),
+                ("--rows", "22", "--fsdp"), launch=accelerate)
+    checkpoints = sharded_run(tmp_path / "one", tmp_path / "two", "sft")
+    assert list(checkpoints) == ["checkpoint-3", "checkpoint-6"]
+    assert len(orjson.loads((tmp_path / "one" / "single.json").read_bytes())["losses"]) == 6
+    assert any(t.abs().max() > 0 for name, t in checkpoints["checkpoint-6"].items() if "lora_B" in name)
 
 
 def test_an_rl_update_on_two_ranks_equals_one_process_on_the_same_groups(tiny_model_dir: Path,
@@ -94,6 +142,26 @@ def test_an_rl_update_on_two_ranks_equals_one_process_on_the_same_groups(tiny_mo
     lines = [json.loads(line) for line in (written / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [0, 1, 2]  # checkpoint-0's validation, then each step once
     assert sorted(p.name for p in written.iterdir()) == ["checkpoint-0", "checkpoint-2", "metrics.jsonl", "rl.png"]
+
+
+def test_rl_under_fsdp_with_a_frozen_reference_and_a_rollback_equals_one_process(tiny_model_dir: Path,
+                                                                                 tmp_path: Path) -> None:
+    start = random_lora(tiny_model_dir, tmp_path / "start", seed=3)
+    job = ("--steps", "3", "--rollback", "--init", str(start), "--fsdp")
+    one_and_two("rl", tiny_model_dir, tmp_path, job, job)
+    checkpoints = sharded_run(tmp_path / "one", tmp_path / "two", "rl")
+    lines = [json.loads(line) for line in (tmp_path / "two" / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["validation"]["action"] for line in lines] == ["best", "rollback", "kept", "kept"]
+    initial = load_file(str(start / "adapter_model.safetensors"))
+    assert all(torch.equal(checkpoints["checkpoint-0"][key], t) for key, t in initial.items())
+
+    def moved(name: str) -> float:
+        return max(float((checkpoints[name][key] - t).abs().max()) for key, t in initial.items())
+
+    # Adam's first step moves a weight by at most the learning rate (1e-3): after the rollback to checkpoint-0 and
+    # one step, checkpoint-2 is one step from the start, where two steps on would be up to twice that.
+    assert 0 < moved("checkpoint-1") <= 1.01e-3 and 0 < moved("checkpoint-2") <= 1.01e-3
+    assert moved("checkpoint-3") > 1.5e-3
 
 
 def test_validation_episodes_are_spread_over_the_ranks_and_gathered_in_order(tiny_model_dir: Path,
@@ -146,6 +214,8 @@ def test_replay_train_under_torchrun_trains_on_both_ranks_and_rank_0_alone_write
     stages = {s["stage"]: s for s in orjson.loads((run_dir / "stages.json").read_bytes())}
     assert stages["sft"]["tokens"] > 0 and "register" in stages
     assert result.stdout.count("before and after") == 1  # the report table, printed by rank 0 alone
+    # Both ranks held the whole model: FSDP's auto leaves a small one be.
+    assert "tokens/s) on 2 ranks (" in " ".join(result.stdout.split())
 
 
 def test_a_rank_that_stops_mid_run_fails_the_run_and_nothing_is_registered(env: dict[str, str]) -> None:

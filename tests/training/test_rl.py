@@ -31,6 +31,7 @@ from training.rl import (
 )
 from training.settings import RLSettings, TrainingSettings
 from training.sft import SFTConfig, wrap_lora
+from training.sharding import Through
 
 PROMPT = [504, 2114, 314, 253, 1345, 28]
 
@@ -126,7 +127,7 @@ def test_the_importance_ratio_is_against_the_captured_logprobs(loaded: LoadedMod
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
 
     captured = Sample(PROMPT, completion, exact, seq=0, temperature=1.0, advantage=1.0)
-    stats = update(model, [captured], optimizer, pad_id=pad, batch_size=4, clip=0.2, kl_coef=0.0)
+    stats = update(Through(model), [captured], optimizer, pad_id=pad, batch_size=4, clip=0.2, kl_coef=0.0)
     assert stats["ratio"] == pytest.approx(1.0, abs=1e-4) and stats["clip_fraction"] == 0.0
 
     # Captured log-probabilities 1.0 lower than the policy's own: every ratio is e, beyond 1 + clip with a positive
@@ -135,7 +136,7 @@ def test_the_importance_ratio_is_against_the_captured_logprobs(loaded: LoadedMod
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.0)
     stale = Sample(PROMPT, completion, [v - 1.0 for v in now], seq=0, temperature=1.0, advantage=1.0)
-    stats = update(model, [stale], optimizer, pad_id=pad, batch_size=4, clip=0.2, kl_coef=0.0)
+    stats = update(Through(model), [stale], optimizer, pad_id=pad, batch_size=4, clip=0.2, kl_coef=0.0)
     assert stats["ratio"] == pytest.approx(math.e, rel=1e-3)
     assert stats["clip_fraction"] == 1.0
     for name, param in model.named_parameters():
@@ -186,7 +187,7 @@ def test_a_reward_for_one_token_raises_its_probability(loaded: LoadedModel) -> N
             Trajectory(id=f"{step}-{i}", reward=float(s.completion_ids.count(target)), samples=[s])
             for i, s in enumerate(samples)])
         assign_advantages([group], "grpo", process_coef=0.0)
-        update(model, group.samples(), optimizer, pad_id=pad, batch_size=6, clip=0.2, kl_coef=0.01)
+        update(Through(model), group.samples(), optimizer, pad_id=pad, batch_size=6, clip=0.2, kl_coef=0.01)
     with torch.no_grad():
         after = float(torch.softmax(model(input_ids=torch.tensor([PROMPT])).logits[0, -1].float(), -1)[target])
     assert 0.01 < start < 0.6
