@@ -2,7 +2,7 @@
 or as one process (the same job on the same global batch, for comparison).
 
     python tests/training/ranks.py sft|rl|eval MODEL_DIR OUT_DIR [--grad-accum N] [--rows N] [--steps N] [--fsdp]
-        [--rollback] [--init ADAPTER]
+        [--rollback] [--init ADAPTER] [--checkpointing]
 """
 
 from __future__ import annotations
@@ -61,12 +61,14 @@ def groups(tokenizer: Any, step: int) -> list[Group]:
     return made
 
 
-def rl(model_dir: Path, out: Path, steps: int, fsdp: str, rollback: bool, init: Path | None) -> Any:
+def rl(model_dir: Path, out: Path, steps: int, fsdp: str, rollback: bool, init: Path | None,
+       checkpointing: bool) -> Any:
     """``steps`` RL steps; with ``rollback`` validated after each, the first after the start failing (a rollback)."""
     loaded = load_model(str(model_dir))
     training = TrainingSettings.model_validate({"rl": {"batch_size": 2, "learning_rate": 1e-3, "kl_coef": 0.05,
                                                        "eval_every": 1 if rollback else steps}})
-    config = RLConfig.from_settings(training, lora=SFTConfig.from_settings(training, **LORA, fsdp=fsdp))
+    config = RLConfig.from_settings(training, lora=SFTConfig.from_settings(
+        training, **LORA, fsdp=fsdp, gradient_checkpointing=checkpointing))
     validations = iter([0.5, 0.0] if rollback else [])
     return train_rl(loaded, config, out / "rl", steps=steps, batches=lambda step, _: groups(loaded.tokenizer, step),
                     validate=lambda _: {"success_rate": next(validations, 0.5), "valid_call_rate": 1.0},
@@ -102,6 +104,7 @@ def main() -> None:
     parser.add_argument("--fsdp", action="store_const", const="on", default="off")
     parser.add_argument("--rollback", action="store_true")
     parser.add_argument("--init", type=Path)
+    parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (rl)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     world = distributed.join(600)
@@ -119,7 +122,7 @@ def main() -> None:
     elif args.job == "sft":
         result = sft(args.model_dir, args.out, args.grad_accum, args.rows, args.fsdp)
     else:
-        result = rl(args.model_dir, args.out, args.steps, args.fsdp, args.rollback, args.init)
+        result = rl(args.model_dir, args.out, args.steps, args.fsdp, args.rollback, args.init, args.checkpointing)
     distributed.finish(world)
     rank = world.rank if world else "single"
     # Under FSDP a rank holds its shards of the weights only: the checkpoints rank 0 wrote are the whole.

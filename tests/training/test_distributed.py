@@ -11,7 +11,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -48,23 +47,16 @@ def torchrun(*args: str, env: dict[str, str] | None = None, timeout: float = 240
                           env={**os.environ, **(env or {})})
 
 
-def accelerate(*args: str) -> subprocess.CompletedProcess:
-    """``accelerate launch`` on two CPU processes (it starts them through torchrun's launcher)."""
-    return subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                           "--main_process_port", "0", *args], capture_output=True, text=True, timeout=240, cwd=ROOT)
-
-
 def single(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(RANKS), *args], capture_output=True, text=True, timeout=240, cwd=ROOT)
 
 
 def one_and_two(job: str, model_dir: Path, tmp_path: Path, one: tuple[str, ...] = (),
-                two: tuple[str, ...] = (), launch: Callable[..., subprocess.CompletedProcess] = torchrun) -> None:
+                two: tuple[str, ...] = ()) -> None:
     """``job`` of ranks.py as one process into ``tmp_path/one``, then on two ranks into ``tmp_path/two``."""
     alone = single(job, str(model_dir), str(tmp_path / "one"), *one)
     assert alone.returncode == 0, alone.stderr[-3000:]
-    ranked = launch(str(RANKS), job, str(model_dir), str(tmp_path / "two"), *two)
+    ranked = torchrun(str(RANKS), job, str(model_dir), str(tmp_path / "two"), *two)
     assert ranked.returncode == 0, ranked.stderr[-3000:]
 
 
@@ -125,9 +117,9 @@ def sharded_run(one: Path, two: Path, job: str) -> dict[str, dict[str, torch.Ten
 def test_sft_under_fsdp_takes_the_steps_of_one_process_and_rank_0_writes_the_gathered_adapter(
         tiny_model_dir: Path, tmp_path: Path) -> None:
     # 22 rows, 2 a micro-batch: 11 micro-batches, 2 a step; in the last step rank 1 has none of its own and runs
-    # rank 0's at weight 0, as FSDP needs every rank in every layer's gathers. Launched by accelerate.
+    # rank 0's at weight 0, as FSDP needs every rank in every layer's gathers.
     one_and_two("sft", tiny_model_dir, tmp_path, ("--grad-accum", "2", "--rows", "22", "--fsdp"),
-                ("--rows", "22", "--fsdp"), launch=accelerate)
+                ("--rows", "22", "--fsdp"))
     checkpoints = sharded_run(tmp_path / "one", tmp_path / "two", "sft")
     assert list(checkpoints) == ["checkpoint-3", "checkpoint-6"]
     assert len(orjson.loads((tmp_path / "one" / "single.json").read_bytes())["losses"]) == 6
@@ -147,7 +139,8 @@ def test_an_rl_update_on_two_ranks_equals_one_process_on_the_same_groups(tiny_mo
 def test_rl_under_fsdp_with_a_frozen_reference_and_a_rollback_equals_one_process(tiny_model_dir: Path,
                                                                                  tmp_path: Path) -> None:
     start = random_lora(tiny_model_dir, tmp_path / "start", seed=3)
-    job = ("--steps", "3", "--rollback", "--init", str(start), "--fsdp")
+    # Gradient checkpointing too: its recomputed forward passes gather the layers again, on every rank alike.
+    job = ("--steps", "3", "--rollback", "--init", str(start), "--fsdp", "--checkpointing")
     one_and_two("rl", tiny_model_dir, tmp_path, job, job)
     checkpoints = sharded_run(tmp_path / "one", tmp_path / "two", "rl")
     lines = [json.loads(line) for line in (tmp_path / "two" / "rl" / "metrics.jsonl").read_text().splitlines()]
