@@ -56,11 +56,11 @@ sys.path.insert(0, str(ROOT))
 
 import structlog  # noqa: E402
 import torch  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
 
 from bench import sections  # noqa: E402
 from gateway.backends.local.loading import LoadedModel, load_model, load_tokenizer  # noqa: E402
 from tests.models import tiny_llama  # noqa: E402
+from training import sharding  # noqa: E402
 from training.batches import pad_batch  # noqa: E402
 from training.data import IGNORE, Example  # noqa: E402
 from training.sft import SFTConfig, train_sft, wrap_lora  # noqa: E402
@@ -261,7 +261,7 @@ def _ranks_sft_worker(args: argparse.Namespace) -> None:
         result = train_sft(args.model_path, rows * 2 * steps, config, Path(out))
         lines = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     resident = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    held = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in result.model.parameters())
+    held = sharding.weight_bytes(result.model)
     distributed.finish(world)
     tokens = 2 * sum(len(r.input_ids) for r in rows)
     measured = sum(tokens / line["tokens_per_second"] for line in lines[args.warmup:])

@@ -194,7 +194,7 @@ def update(policy: sharding.Through, samples: Sequence[Sample], optimizer: torch
     params = [p for p in policy.parameters() if p.requires_grad]
     device = params[0].device
     world = distributed.current()
-    sharded = sharding.is_sharded(policy)
+    sharded = policy.sharded
     total = sum(len(s.completion_ids) for s in samples)
     # Micro-batches of similar length: little padding; on several ranks, every size-th one is this rank's.
     ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
@@ -306,10 +306,8 @@ def train_rl(loaded: LoadedModel, config: RLConfig, out_dir: Path, *, steps: int
     # Copied before the policy's adapter is put into the base's modules.
     frozen = start_reference(loaded.model, init_adapter) if init_adapter and config.rl.kl_coef else None
     model = lora_policy(loaded.model, config.lora, init_adapter)
-    if world is not None:
-        world.sync([p for p in model.parameters() if p.requires_grad], during="sharing the adapter's first weights")
-    sharded = sharding.wanted(config.lora.fsdp, model, device, world)
-    policy = sharding.wrap(model, device, world, sharded)
+    policy = sharding.place(model, config.lora.fsdp, device, world)
+    sharded = policy.sharded
     reference = sharding.wrap(frozen, device, world, sharded) if frozen is not None else None
     train_mode(model, config.lora, sharded)
     # Rollouts serve each checkpoint with the rendering its folder records: the one the policy started from.

@@ -273,10 +273,8 @@ def train_sft(base_model_path: str | None, examples: list[Example], config: SFTC
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     device = distributed.device()
     model = lora_policy(loaded.model, config, init_adapter)
-    if world is not None:
-        world.sync([p for p in model.parameters() if p.requires_grad], during="sharing the adapter's first weights")
-    sharded = sharding.wanted(config.fsdp, model, device, world)
-    through = sharding.wrap(model, device, world, sharded)
+    through = sharding.place(model, config.fsdp, device, world)
+    sharded = through.sharded
     train_mode(model, config, sharded)
 
     plan = plan_batches(examples, config.batch_size, config.epochs, config.seed, config.bucket_batches)

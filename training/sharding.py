@@ -46,13 +46,15 @@ class Through(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
+        self.sharded = False  # fully_shard made this the root unit (``wrap``)
 
     def forward(self, function: Callable[..., T], *args: Any) -> T:
         return function(self.model, *args)
 
 
 def weight_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of ``model``'s weights this rank holds (its shards under FSDP)."""
+    return sum(_local(p).nbytes for p in model.parameters())
 
 
 def rank_memory(device: torch.device, world: World) -> int:
@@ -65,13 +67,18 @@ def rank_memory(device: torch.device, world: World) -> int:
 def wanted(policy: Sharding, model: nn.Module, device: torch.device, world: World | None) -> bool:
     """Whether to shard ``model`` over ``world``: ``on``, ``off``, or ``auto`` (its weights over ``AUTO_SHARE`` of
     a rank's memory). Rank 0 decides for all (GPUs of one world may differ)."""
-    if world is None:
-        return False
-    decided = None
-    if world.leads:
-        decided = policy == "on" or (policy == "auto" and weight_bytes(model) > AUTO_SHARE * rank_memory(device,
-                                                                                                          world))
+    if world is None or policy != "auto":
+        return world is not None and policy == "on"
+    decided = weight_bytes(model) > AUTO_SHARE * rank_memory(device, world) if world.leads else None
     return bool(world.share(decided, during="deciding whether to shard the model"))
+
+
+def place(model: nn.Module, policy: Sharding, device: torch.device, world: World | None) -> Through:
+    """The model to train behind its ``Through``, on every rank alike: rank 0's first adapter weights, then whole on
+    ``device`` or split over the ranks as ``policy`` has it (``wanted``)."""
+    if world is not None:
+        world.sync([p for p in model.parameters() if p.requires_grad], during="sharing the adapter's first weights")
+    return wrap(model, device, world, wanted(policy, model, device, world))
 
 
 def wrap(model: nn.Module, device: torch.device, world: World | None, sharded: bool) -> Through:
@@ -95,18 +102,19 @@ def wrap(model: nn.Module, device: torch.device, world: World | None, sharded: b
         if isinstance(unit, FSDPModule):
             unit.set_gradient_divide_factor(1.0)  # summed: the losses are weighted by their global share already
             unit.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no pre-multiplied one
+    through.sharded = True
     log.info("sharding.wrapped", units=len(layers) + 1, world_size=world.size, device=device.type)
     return through
 
 
 def is_sharded(through: Through) -> bool:
-    return any(isinstance(p, DTensor) for p in through.parameters())
+    return through.sharded
 
 
 def syncing(through: Through, last: bool) -> None:
     """Under FSDP: reduce-scatter the gradients after this backward only when ``last`` (the step's last micro-batch);
     before it they add up unreduced on each rank."""
-    if is_sharded(through):
+    if through.sharded:
         through.set_requires_gradient_sync(last)  # type: ignore[operator]  # fully_shard made it an FSDPModule
 
 
